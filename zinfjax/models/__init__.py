@@ -1,0 +1,43 @@
+"""Reference models in the layered convention (embed, stacked blocks, head+loss).
+
+Example:
+    >>> from zinfjax import models
+    >>> model = models.build("gpt2-tiny")
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from zinfjax.models.configs import NAMED, ModelConfig
+from zinfjax.models.gpt import GPT
+from zinfjax.models.layered import (
+    LayeredConventionError,
+    LayeredModel,
+    Layers,
+    check_params,
+    get_layers,
+    layer_slice,
+    loss_fn,
+)
+from zinfjax.models.llama import Llama
+
+ARCHS = {"gpt2": GPT, "llama": Llama}
+
+
+def build(model: str | ModelConfig, dtype: Any = jnp.float32):
+    """Builds a reference model from a named size or a `ModelConfig`.
+
+    Example:
+        >>> model = build("llama-tiny")
+    """
+    config = ModelConfig.named(model) if isinstance(model, str) else model
+    return ARCHS[config.arch](config, dtype)
+
+
+__all__ = [
+    "ARCHS", "GPT", "Llama", "LayeredConventionError", "LayeredModel", "Layers", "ModelConfig", "NAMED",
+    "build", "check_params", "get_layers", "layer_slice", "loss_fn",
+]

@@ -1,0 +1,99 @@
+import json
+
+import pytest
+
+from zinfjax import Config, ConfigError
+from zinfjax.config import parse_mesh
+
+
+def test_defaults_are_valid_and_keys_are_the_public_contract():
+    c = Config()
+    for key in ("stage", "params", "optimizer", "gradients", "activations", "nvme_path", "prefetch_depth",
+                "host_buffer_bytes", "precision", "grad_clip", "grad_accum", "mesh", "model", "steps",
+                "batch_size", "seq_len", "lr", "seed", "log"):
+        assert key in c.to_dict()
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("stage: 2\nmodel: llama-tiny\nhost_buffer_bytes: 256MiB\n")
+    c = Config.load(str(path), ["steps=7", "lr=1e-3", "params=nvme", f"nvme_path={tmp_path}", "log="])
+    assert (c.stage, c.model, c.steps, c.lr, c.params) == (2, "llama-tiny", 7, 1e-3, "nvme")
+    assert c.host_buffer_bytes == 256 * 2**20 and c.log is None
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"stage": 1, "mesh": "data:4,model:2"}))
+    c = Config.from_file(str(path))
+    assert c.stage == 1 and c.mesh_axes() == {"data": 4, "model": 2}
+
+
+@pytest.mark.parametrize("override,message", [
+    ("stage=5", "use 0, 1, 2 or 3"),
+    ("params=disk", "use one of device, host, nvme"),
+    ("precision=fp8", "fp32, bf16, fp16"),
+    ("optimizer=nvme", "nvme_path is not set"),
+    ("grad_accum=0", "1 or more"),
+    ("mesh=data:x", "name:size"),
+    ("model=gpt5", "choose one of"),
+    ("steps=ten", "not a valid int"),
+    ("host_buffer_bytes=lots", "not a byte size"),
+    ("nokey=1", "unknown key"),
+    ("stage", "key=value"),
+])
+def test_invalid_values_say_what_is_allowed(override, message):
+    with pytest.raises(ConfigError, match=message):
+        Config.load(None, [override])
+
+
+def test_missing_and_unparsable_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        Config.from_file(str(tmp_path / "none.yaml"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot be parsed"):
+        Config.from_file(str(bad))
+
+
+def test_deepspeed_config_is_mapped(tmp_path):
+    ds = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "betas": [0.9, 0.999]}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 5,
+                              "buffer_size": 1e8, "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+        },
+    }
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    c = Config.from_file(str(path))
+    assert (c.stage, c.params, c.optimizer, c.nvme_path) == (3, "nvme", "host", str(tmp_path))
+    assert (c.batch_size, c.grad_accum, c.grad_clip, c.precision) == (4, 2, 1.0, "bf16")
+    assert (c.optimizer_name, c.lr, c.weight_decay, c.prefetch_depth) == ("adamw", 1e-4, 0.1, 4)
+    assert c.host_buffer_bytes == 2 * 10**8 * 5
+
+
+def test_deepspeed_unsupported_keys_are_all_listed(tmp_path):
+    ds = {"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8, "mics_shard_size": 2},
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.8, 0.9]}},
+          "flops_profiler": {}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    with pytest.raises(ConfigError) as err:
+        Config.from_file(str(path))
+    for key in ("zero_optimization.zero_hpz_partition_size", "zero_optimization.mics_shard_size",
+                "optimizer.params.betas", "flops_profiler"):
+        assert key in str(err.value)
+
+
+def test_parse_mesh():
+    assert parse_mesh("data:-1") == {"data": -1}
+    with pytest.raises(ConfigError):
+        parse_mesh("data:-1,model:-1")

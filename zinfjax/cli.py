@@ -1,0 +1,101 @@
+"""The ``zinfjax`` command.
+
+User mistakes (`zinfjax.errors.UserError`) print one line and exit with status 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zinfjax.errors import UserError
+
+DESCRIPTION = """\
+zinfjax: ZeRO-Infinity for JAX. Train models larger than accelerator and host memory
+by sharding the model state over devices and streaming each layer from host memory or NVMe.
+"""
+
+
+def _config_keys_help() -> str:
+    from dataclasses import fields
+
+    from zinfjax.config import KEY_DOCS, Config
+
+    rows = [f"  {f.name:<18} {KEY_DOCS.get(f.name, '')} (default: {f.default!r})" for f in fields(Config)]
+    return "config keys (set in the config file or with --set key=value):\n" + "\n".join(rows)
+
+
+def add_train(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model from a config file and overrides",
+        description="Train a model. Shows a progress bar with step, loss and tokens/s; at the end writes "
+        "the JSON log given by `log` and a PNG loss curve beside it.",
+        epilog=_config_keys_help()
+        + "\n\nexamples:\n  zinfjax train --set model=gpt2-tiny --set steps=50 --set log=runs/demo.json\n"
+        "  zinfjax train run.yaml --set stage=3 --set params=nvme --set nvme_path=/mnt/nvme/run1\n"
+        "  zinfjax train ds_config.json   # a DeepSpeed config: zero_optimization is mapped",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="?", help="JSON or YAML config file, or a DeepSpeed config JSON")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key; repeat for several")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_train)
+
+
+def _train(args) -> int:
+    from zinfjax.config import Config
+    from zinfjax.train import run
+
+    config = Config.load(args.config, args.overrides)
+    log = run(config, progress=not args.quiet)
+    first, last = log["steps"][0]["loss"], log["steps"][-1]["loss"]
+    print(f"trained {len(log['steps'])} steps: loss {first:.4f} -> {last:.4f}"
+          + (f"; log {config.log}" if config.log else ""))
+    return 0
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print JSON (io, ...)",
+                       description="Benchmarks. Each prints one JSON object; see docs/BENCHMARKS.md.")
+    p.add_argument("name", choices=["io"], help="io: the nvme tier against raw O_DIRECT disk throughput")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (see `zinfjax bench io -h`)")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args) -> int:
+    import importlib
+
+    module = importlib.import_module(f"zinfjax.benchmarks.{args.name}")
+    return module.main(args.rest) or 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zinfjax", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    add_train(sub)
+    add_bench(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``zinfjax`` console script."""
+    args = parser().parse_args(argv)
+    if not getattr(args, "func", None):
+        parser().print_help()
+        return 2
+    try:
+        return args.func(args)
+    except UserError as err:
+        print(f"zinfjax: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("zinfjax: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

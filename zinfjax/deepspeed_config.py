@@ -1,0 +1,137 @@
+"""Maps a DeepSpeed config JSON onto zinfjax `Config` keys (DESIGN.md, "DeepSpeed terms, mapped").
+
+Keys that only tune how DeepSpeed's own communication or allocator works have no
+meaning under XLA and are accepted without effect (`NO_EFFECT`). Any other key that
+zinfjax does not implement is refused, and the error lists every such key at once.
+
+Example:
+    >>> from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    {'stage': 3, 'params': 'host'}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zinfjax.errors import ConfigError
+
+DEVICES = {"none": "device", "cpu": "host", "nvme": "nvme"}
+
+# Knobs of DeepSpeed's own collectives and allocator: XLA schedules these itself.
+NO_EFFECT = {
+    "zero_optimization": {
+        "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+        "allgather_partitions", "allgather_bucket_size", "round_robin_gradients",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
+        "stage3_gather_16bit_weights_on_model_save", "sub_group_size", "memory_efficient_linear",
+        "stage3_param_persistence_threshold", "elastic_checkpoint", "load_from_fp32_weights",
+    },
+    "offload_param": {"pin_memory", "max_in_cpu"},
+    "offload_optimizer": {"pin_memory", "fast_init", "buffer_count", "pipeline_read", "pipeline_write", "ratio"},
+    "top": {"aio", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+            "train_batch_size", "gradient_accumulation_dtype", "communication_data_type"},
+}
+
+
+def from_deepspeed(ds: dict[str, Any], source: str = "DeepSpeed config") -> dict[str, Any]:
+    """Returns the zinfjax config keys a DeepSpeed config asks for.
+
+    Raises:
+        ConfigError: listing every key that zinfjax does not support.
+    """
+    out: dict[str, Any] = {}
+    unsupported: list[str] = []
+    for key, value in ds.items():
+        handler = _TOP.get(key)
+        if handler:
+            handler(value, out, unsupported)
+        elif key not in NO_EFFECT["top"]:
+            unsupported.append(key)
+    if unsupported:
+        raise ConfigError(
+            f"{source}: these DeepSpeed keys are not supported by zinfjax: {', '.join(unsupported)}; "
+            f"remove them (docs/config.md lists the mapping)"
+        )
+    return out
+
+
+def _zero(zero: dict[str, Any], out: dict, unsupported: list[str]) -> None:
+    for key, value in zero.items():
+        if key == "stage":
+            out["stage"] = value
+        elif key in ("offload_param", "offload_optimizer"):
+            _offload(key, value, out, unsupported)
+        elif key not in NO_EFFECT["zero_optimization"]:
+            unsupported.append(f"zero_optimization.{key}")
+
+
+def _offload(section: str, spec: dict[str, Any], out: dict, unsupported: list[str]) -> None:
+    target = "params" if section == "offload_param" else "optimizer"
+    for key, value in spec.items():
+        if key == "device":
+            if value not in DEVICES:
+                raise ConfigError(f"zero_optimization.{section}.device={value!r}; use none, cpu or nvme")
+            out[target] = DEVICES[value]
+        elif key == "nvme_path":
+            out["nvme_path"] = value
+        elif section == "offload_param" and key == "buffer_count":
+            out["prefetch_depth"] = max(int(value) - 1, 0)
+        elif section == "offload_param" and key == "buffer_size":
+            out["_buffer_size"] = int(value)
+        elif key not in NO_EFFECT[section]:
+            unsupported.append(f"zero_optimization.{section}.{key}")
+    elements = out.pop("_buffer_size", None)
+    if elements is not None:
+        # DeepSpeed sizes buffers in elements of the 16-bit compute dtype, one per buffer.
+        out["host_buffer_bytes"] = 2 * elements * (out.get("prefetch_depth", 4) + 1)
+
+
+def _precision(name: str):
+    def handle(value: dict[str, Any], out: dict, unsupported: list[str]) -> None:
+        if value.get("enabled", False) in (True, "auto"):
+            out["precision"] = name
+        extra = set(value) - {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
+                              "hysteresis", "min_loss_scale", "auto_cast"}
+        unsupported.extend(f"{name}.{k}" for k in sorted(extra))
+
+    return handle
+
+
+def _optimizer(value: dict[str, Any], out: dict, unsupported: list[str]) -> None:
+    name = str(value.get("type", "")).lower()
+    names = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "lion": "lion", "adagrad": "adagrad"}
+    if name not in names:
+        unsupported.append(f"optimizer.type={value.get('type')!r}")
+        return
+    out["optimizer_name"] = names[name]
+    params = value.get("params", {})
+    if "lr" in params:
+        out["lr"] = params["lr"]
+    if "weight_decay" in params:
+        out["weight_decay"] = params["weight_decay"]
+    defaults = {"betas": [0.9, 0.999], "eps": 1e-8}
+    extra = set(params) - {"lr", "weight_decay", "torch_adam", "adam_w_mode"} - set(defaults)
+    extra |= {k for k, v in defaults.items() if k in params and _plain(params[k]) != v}
+    unsupported.extend(f"optimizer.params.{k}" for k in sorted(extra))
+
+
+def _plain(value: Any) -> Any:
+    return [float(x) for x in value] if isinstance(value, list | tuple) else float(value)
+
+
+def _setter(key: str):
+    def handle(value: Any, out: dict, unsupported: list[str]) -> None:
+        out[key] = value
+
+    return handle
+
+
+_TOP = {
+    "zero_optimization": _zero,
+    "bf16": _precision("bf16"),
+    "fp16": _precision("fp16"),
+    "optimizer": _optimizer,
+    "gradient_clipping": _setter("grad_clip"),
+    "gradient_accumulation_steps": _setter("grad_accum"),
+    "train_micro_batch_size_per_gpu": _setter("batch_size"),
+}

@@ -1,0 +1,70 @@
+"""Model sizes: one frozen dataclass, and the named sizes from tiny to several billion parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from zinfjax.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a reference model.
+
+    Example:
+        >>> ModelConfig.named("gpt2-small").n_layers
+        12
+    """
+
+    arch: str  # "gpt2" or "llama"
+    vocab_size: int
+    max_seq_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    n_kv_heads: int | None = None  # llama: grouped-query attention; None means n_heads
+    tied: bool = True
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @staticmethod
+    def named(name: str) -> ModelConfig:
+        """The named size ``name``; the error lists the names that exist."""
+        if name not in NAMED:
+            raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(NAMED)}")
+        return NAMED[name]
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _gpt2(vocab, ctx, d, layers, heads) -> ModelConfig:
+    return ModelConfig("gpt2", vocab, ctx, d, layers, heads, 4 * d, tied=True)
+
+
+def _llama(vocab, ctx, d, layers, heads, kv, ff, tied=False) -> ModelConfig:
+    return ModelConfig("llama", vocab, ctx, d, layers, heads, ff, n_kv_heads=kv, tied=tied, norm_eps=1e-5)
+
+
+NAMED: dict[str, ModelConfig] = {
+    # Tiny sizes: byte vocabulary, heads and widths divisible by 8 so any mesh of up to 8 devices shards them.
+    "gpt2-tiny": _gpt2(256, 128, 64, 4, 8),
+    "gpt2-mini": _gpt2(256, 256, 256, 6, 8),
+    "gpt2-small": _gpt2(50257, 1024, 768, 12, 12),
+    "gpt2-medium": _gpt2(50257, 1024, 1024, 24, 16),
+    "gpt2-large": _gpt2(50257, 1024, 1280, 36, 20),
+    "gpt2-xl": _gpt2(50257, 1024, 1600, 48, 25),
+    "llama-tiny": _llama(256, 128, 128, 4, 16, 8, 256),
+    "llama-1b": _llama(32000, 2048, 2048, 22, 32, 4, 5632),
+    "llama-7b": _llama(32000, 4096, 4096, 32, 32, 32, 11008),
+}

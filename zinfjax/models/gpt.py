@@ -1,0 +1,108 @@
+"""The GPT-2 architecture in the layered convention.
+
+Learned positions, pre-LayerNorm, GELU MLP, biases, and an output projection tied
+to the input embedding. All blocks are stacked on a leading layer axis (``nn.scan``).
+
+Example:
+    >>> model = GPT(ModelConfig.named("gpt2-tiny"))
+    >>> params = model.init(jax.random.key(0), tokens)["params"]
+    >>> loss = model.apply({"params": params}, tokens, targets)
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zinfjax.models.attention import causal_attention
+from zinfjax.models.configs import ModelConfig
+from zinfjax.models.layered import Layers, cross_entropy
+
+Dtype = Any
+normal = nn.initializers.normal
+
+
+class Embed(nn.Module):
+    """Token plus learned position embeddings."""
+
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.config
+        wte = nn.Embed(c.vocab_size, c.d_model, embedding_init=normal(0.02), name="wte")
+        wpe = nn.Embed(c.max_seq_len, c.d_model, embedding_init=normal(0.01), name="wpe")
+        positions = jnp.arange(tokens.shape[1])[None]
+        return (wte(tokens) + wpe(positions)).astype(self.dtype)
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block. ``__call__`` has the ``nn.scan`` signature."""
+
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, h: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+        c = self.config
+        dense = partial(nn.DenseGeneral, dtype=self.dtype, kernel_init=normal(0.02))
+        out_init = normal(0.02 / math.sqrt(2 * c.n_layers))
+        norm = partial(nn.LayerNorm, epsilon=c.norm_eps, dtype=self.dtype)
+        x = norm(name="ln_1")(h)
+        heads = (c.n_heads, c.head_dim)
+        q, k, v = (dense(heads, name=n)(x) for n in ("q", "k", "v"))
+        a = causal_attention(q, k, v)
+        h = h + dense(c.d_model, axis=(-2, -1), kernel_init=out_init, name="attn_out")(a)
+        x = norm(name="ln_2")(h)
+        x = nn.gelu(dense(c.d_ff, name="fc")(x), approximate=True)
+        h = h + dense(c.d_model, kernel_init=out_init, name="proj")(x)
+        return h, None
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the tied output projection; returns the loss, or logits without targets."""
+
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, h: jax.Array, wte: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+        h = nn.LayerNorm(epsilon=self.config.norm_eps, dtype=self.dtype, name="ln_f")(h)
+        logits = jnp.einsum("btd,vd->btv", h, wte.astype(self.dtype))
+        return logits if targets is None else cross_entropy(logits, targets)
+
+
+class GPT(nn.Module):
+    """GPT-2: ``head(scan(block, embed(tokens)))``."""
+
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        self.embed = Embed(c, self.dtype)
+        scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.n_layers)
+        self.blocks = scan(c, self.dtype)
+        self.head = Head(c, self.dtype)
+
+    def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+        h = self.embed(tokens)
+        h, _ = self.blocks(h, None)
+        return self.head(h, self.embed.variables["params"]["wte"]["embedding"], targets)
+
+    def layers(self) -> Layers:
+        """The embed / block / head split that zinfjax streams."""
+        c, dt = self.config, self.dtype
+        return Layers(
+            embed=lambda p, tokens: Embed(c, dt).apply({"params": p}, tokens),
+            block=lambda p, h: Block(c, dt).apply({"params": p}, h)[0],
+            head=lambda ph, pe, h, targets: Head(c, dt).apply(
+                {"params": ph}, h, pe["wte"]["embedding"], targets
+            ),
+        )

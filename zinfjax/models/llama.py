@@ -1,0 +1,114 @@
+"""The Llama architecture in the layered convention.
+
+RMSNorm, rotary position embeddings (the ``rotate_half`` form used by Hugging Face),
+SwiGLU MLP, grouped-query attention, no biases and an untied output head.
+
+Example:
+    >>> model = Llama(ModelConfig.named("llama-tiny"))
+    >>> params = model.init(jax.random.key(0), tokens)["params"]
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zinfjax.models.attention import causal_attention
+from zinfjax.models.configs import ModelConfig
+from zinfjax.models.layered import Layers, cross_entropy
+
+Dtype = Any
+normal = nn.initializers.normal
+
+
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+    """Applies rotary embeddings to (B, T, H, D) in the rotate-half layout."""
+    t, d = x.shape[1], x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = x.astype(jnp.float32) * jnp.cos(angles) + rotated.astype(jnp.float32) * jnp.sin(angles)
+    return out.astype(x.dtype)
+
+
+class Embed(nn.Module):
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.config
+        wte = nn.Embed(c.vocab_size, c.d_model, embedding_init=normal(0.02), name="wte")
+        return wte(tokens).astype(self.dtype)
+
+
+class Block(nn.Module):
+    """One Llama decoder block. ``__call__`` has the ``nn.scan`` signature."""
+
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, h: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+        c = self.config
+        dense = partial(nn.DenseGeneral, use_bias=False, dtype=self.dtype, kernel_init=normal(0.02))
+        norm = partial(nn.RMSNorm, epsilon=c.norm_eps, dtype=self.dtype)
+        x = norm(name="attn_norm")(h)
+        q = rotary(dense((c.n_heads, c.head_dim), name="q")(x), c.rope_theta)
+        k = rotary(dense((c.kv_heads, c.head_dim), name="k")(x), c.rope_theta)
+        v = dense((c.kv_heads, c.head_dim), name="v")(x)
+        h = h + dense(c.d_model, axis=(-2, -1), name="attn_out")(causal_attention(q, k, v))
+        x = norm(name="mlp_norm")(h)
+        x = nn.silu(dense(c.d_ff, name="gate")(x)) * dense(c.d_ff, name="up")(x)
+        return h + dense(c.d_model, name="down")(x), None
+
+
+class Head(nn.Module):
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, h: jax.Array, embed_params: Any, targets: jax.Array | None = None) -> jax.Array:
+        c = self.config
+        h = nn.RMSNorm(epsilon=c.norm_eps, dtype=self.dtype, name="norm")(h)
+        if c.tied:
+            logits = jnp.einsum("btd,vd->btv", h, embed_params["wte"]["embedding"].astype(self.dtype))
+        else:
+            lm_head = nn.Dense(
+                c.vocab_size, use_bias=False, dtype=self.dtype, kernel_init=normal(0.02), name="lm_head"
+            )
+            logits = lm_head(h)
+        return logits if targets is None else cross_entropy(logits, targets)
+
+
+class Llama(nn.Module):
+    """Llama: ``head(scan(block, embed(tokens)))``."""
+
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        self.embed = Embed(c, self.dtype)
+        scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.n_layers)
+        self.blocks = scan(c, self.dtype)
+        self.head = Head(c, self.dtype)
+
+    def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+        h, _ = self.blocks(self.embed(tokens), None)
+        return self.head(h, self.embed.variables["params"], targets)
+
+    def layers(self) -> Layers:
+        """The embed / block / head split that zinfjax streams."""
+        c, dt = self.config, self.dtype
+        return Layers(
+            embed=lambda p, tokens: Embed(c, dt).apply({"params": p}, tokens),
+            block=lambda p, h: Block(c, dt).apply({"params": p}, h)[0],
+            head=lambda ph, pe, h, targets: Head(c, dt).apply({"params": ph}, h, pe, targets),
+        )

@@ -1,0 +1,30 @@
+"""Pictures of a run: the loss curve."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def loss_curve(log: dict, path: str) -> str:
+    """Writes a PNG of loss against step from a run log and returns its path.
+
+    Example:
+        >>> loss_curve({"config": {...}, "steps": [{"step": 1, "loss": 5.5}, ...]}, "loss.png")
+    """
+    steps = [s["step"] for s in log["steps"]]
+    losses = [s["loss"] for s in log["steps"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(steps, losses, color="tab:blue", linewidth=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    cfg = log.get("config", {})
+    ax.set_title(f"{cfg.get('model', '')}  stage {cfg.get('stage', '')}  params={cfg.get('params', '')}"
+                 f"  optimizer={cfg.get('optimizer', '')}", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,83 @@
+"""The training loop behind ``zinfjax train``: data, steps, progress bar, JSON log and loss curve.
+
+Example:
+    >>> log = run(Config(model="gpt2-tiny", steps=50, log="runs/demo.json"))
+    >>> log["steps"][-1]["loss"] < log["steps"][0]["loss"]
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from zinfjax import models
+from zinfjax.config import Config
+from zinfjax.data import Batches, check_vocab, load_tokens
+from zinfjax.optim import make_optimizer
+from zinfjax.plots import loss_curve
+from zinfjax.reference import init_state, make_step
+from zinfjax.sharding import batch_sharding, check_batch, make_mesh
+
+COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+class ReferenceTrainer:
+    """The in-memory reference trainer behind a ``step(batch) -> metrics`` interface."""
+
+    def __init__(self, config: Config, model, mesh):
+        self.tx = make_optimizer(config)
+        self.mesh = mesh
+        self.params, self.opt_state = init_state(model, self.tx, mesh, config.seed, config.seq_len)
+        self._step = make_step(model.layers(), self.tx, mesh, config.grad_accum)
+
+    def step(self, batch) -> dict:
+        batch = jax.device_put(batch, batch_sharding(self.mesh))
+        self.params, self.opt_state, loss = self._step(self.params, self.opt_state, batch)
+        return {"loss": float(loss)}
+
+
+def build_trainer(config: Config):
+    """The model, mesh and trainer a config describes."""
+    model_config = models.ModelConfig.named(config.model)
+    model = models.build(model_config, COMPUTE_DTYPES[config.precision])
+    mesh = make_mesh(config.mesh_axes())
+    check_batch(config.batch_size, mesh, config.grad_accum)
+    if config.seq_len > model_config.max_seq_len:
+        from zinfjax.errors import ConfigError
+
+        raise ConfigError(f"seq_len={config.seq_len} exceeds the model's context of {model_config.max_seq_len}")
+    return model, ReferenceTrainer(config, model, mesh)
+
+
+def run(config: Config, progress: bool = True) -> dict:
+    """Trains for ``config.steps`` steps; writes the JSON log and loss curve when ``config.log`` is set."""
+    model, trainer = build_trainer(config)
+    tokens = load_tokens(config.data)
+    check_vocab(tokens, model.config.vocab_size, config.data)
+    batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
+    log = {"config": config.to_dict(), "steps": []}
+    bar = tqdm(range(1, config.steps + 1), disable=not progress, unit="step", dynamic_ncols=True)
+    for step in bar:
+        start = time.perf_counter()
+        metrics = trainer.step(next(batches))
+        seconds = time.perf_counter() - start
+        record = {"step": step, **metrics, "tokens_per_s": config.batch_size * config.seq_len / seconds}
+        log["steps"].append(record)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+    if config.log:
+        write_log(log, config.log)
+    return log
+
+
+def write_log(log: dict, path: str) -> None:
+    """Writes the JSON log and, beside it, the loss curve PNG."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(log, f, indent=1)
+    loss_curve(log, os.path.splitext(path)[0] + ".png")
