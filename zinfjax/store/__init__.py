@@ -1,0 +1,45 @@
+"""Tiered storage of stacked layers: device memory, pinned host memory, or NVMe.
+
+Example:
+    >>> from zinfjax.store import open_store, BufferPool, Prefetcher
+    >>> store = open_store("nvme", like, path="/mnt/nvme/run1", pool=BufferPool(1 << 30))  # doctest: +SKIP
+    >>> for i, layer in Prefetcher(store, range(store.num_layers), depth=2):               # doctest: +SKIP
+    ...     ...
+"""
+
+from zinfjax.store.base import LayerStore, StoreStats
+from zinfjax.store.errors import (
+    BufferBudgetError,
+    LayerNotWrittenError,
+    ManifestMismatchError,
+    StoreCorruptionError,
+    StoreError,
+    StoreLockedError,
+    StorePathError,
+    StoreSpaceError,
+)
+from zinfjax.store.factory import TIERS, open_store
+from zinfjax.store.layout import layer_sharding, stacked_sharding
+from zinfjax.store.pool import BufferPool, HostBuffer
+from zinfjax.store.prefetch import Prefetcher, ReadRecord
+
+__all__ = [
+    "TIERS",
+    "BufferBudgetError",
+    "BufferPool",
+    "HostBuffer",
+    "LayerNotWrittenError",
+    "LayerStore",
+    "ManifestMismatchError",
+    "Prefetcher",
+    "ReadRecord",
+    "StoreCorruptionError",
+    "StoreError",
+    "StoreLockedError",
+    "StorePathError",
+    "StoreSpaceError",
+    "StoreStats",
+    "layer_sharding",
+    "open_store",
+    "stacked_sharding",
+]

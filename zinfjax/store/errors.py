@@ -1,0 +1,50 @@
+"""Errors raised by the tiered store.
+
+Errors the user can fix (a path, the disk, the budget, a lock, a mismatched store) derive from
+`zinfjax.errors.UserError`, so the CLI prints them as one line. A checksum failure is not the
+user's mistake but the disk's: `StoreCorruptionError` names the leaf and layer that failed.
+"""
+
+from zinfjax.errors import UserError
+
+
+class StoreError(Exception):
+    """Base class of every error the store raises."""
+
+
+class BufferBudgetError(StoreError, UserError):
+    """The host buffer budget cannot hold the bytes one operation needs."""
+
+
+class StorePathError(StoreError, UserError):
+    """The store path does not exist, is not a directory, or cannot be written."""
+
+
+class StoreSpaceError(StoreError, UserError, OSError):
+    """The disk has too little free space for the store, or filled up during a write."""
+
+
+class ManifestMismatchError(StoreError, UserError):
+    """An existing store on disk was written for different shapes, dtypes or layout."""
+
+
+class StoreLockedError(StoreError, UserError):
+    """Another live process holds the store's lock file."""
+
+
+class LayerNotWrittenError(StoreError):
+    """A layer was read before any write of it reached the store."""
+
+
+class StoreCorruptionError(StoreError):
+    """A chunk failed its checksum or could not be decoded.
+
+    Attributes:
+        leaf: name of the leaf whose chunk failed.
+        layer: index of the layer whose chunk failed.
+    """
+
+    def __init__(self, message: str, *, leaf: str, layer: int):
+        super().__init__(message)
+        self.leaf = leaf
+        self.layer = layer

@@ -1,0 +1,83 @@
+"""`open_store`: one entry point for the three tiers."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from zinfjax.store.base import LayerStore
+from zinfjax.store.errors import StoreError
+from zinfjax.store.layout import leaf_layout, leaf_names
+from zinfjax.store.memory import DeviceStore, HostStore
+from zinfjax.store.nvme import NvmeStore
+from zinfjax.store.pool import BufferPool
+
+TIERS = ("device", "host", "nvme")
+
+
+def open_store(
+    tier: str,
+    like,
+    *,
+    path: str | None = None,
+    name: str = "params",
+    pool: BufferPool | None = None,
+    mesh_sharding=None,
+    create: bool = True,
+    **nvme_options,
+) -> LayerStore:
+    """Opens (or creates) a store of stacked leaves on one tier.
+
+    Args:
+        tier: "device", "host" or "nvme".
+        like: a tree of `jax.ShapeDtypeStruct` (or arrays) with leaves `(L, ...)`. A leaf's
+            `.sharding`, a NamedSharding with None on axis 0, sets its layout; without one the leaf
+            lives on the first local device.
+        path: for nvme, the directory (`nvme_path`) the store lives under, as `path/name/`.
+        name: the store's name, its directory under `path`.
+        pool: the host buffer pool the nvme tier stages through.
+        mesh_sharding: a stacked sharding, or a tree of them matching `like`, for leaves that
+            carry no sharding of their own.
+        create: for nvme, create the store when none exists at `path/name`.
+        **nvme_options: passed to `NvmeStore` (read_threads, write_threads, file_io_* options).
+
+    Returns:
+        A `LayerStore`.
+
+    Example:
+        >>> like = {"w": jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)}
+        >>> store = open_store("nvme", like, path="/tmp/run1")   # doctest: +SKIP
+        >>> store.write(0, {"w": jnp.ones((8, 8))}).result()      # doctest: +SKIP
+        >>> store.read(0).result()["w"].shape                     # doctest: +SKIP
+        (8, 8)
+    """
+    layouts = _layouts(like, mesh_sharding)
+    if len({lay.num_layers for lay in layouts}) > 1:
+        raise StoreError(
+            f"all leaves need the same number of layers, got {sorted({lay.num_layers for lay in layouts})}"
+        )
+    if tier == "device":
+        return DeviceStore(like, layouts)
+    if tier == "host":
+        return HostStore(like, layouts)
+    if tier == "nvme":
+        if path is None:
+            raise StoreError("the nvme tier needs a path (nvme_path)")
+        return NvmeStore(like, layouts, os.path.join(path, name), pool, create=create, **nvme_options)
+    raise StoreError(f"unknown tier {tier!r}; choose one of {TIERS}")
+
+
+def _layouts(like, mesh_sharding):
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    if mesh_sharding is None or not isinstance(mesh_sharding, jax.sharding.Sharding):
+        fallbacks = (
+            treedef.flatten_up_to(mesh_sharding) if mesh_sharding is not None else [None] * len(leaves)
+        )
+    else:
+        fallbacks = [mesh_sharding] * len(leaves)
+    names = leaf_names(like)
+    return [
+        leaf_layout(n, x, getattr(x, "sharding", None) or fb)
+        for n, x, fb in zip(names, leaves, fallbacks, strict=True)
+    ]

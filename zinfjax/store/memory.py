@@ -1,0 +1,83 @@
+"""The device and host tiers: layers kept as jax.Arrays in a JAX memory kind.
+
+The device tier keeps each layer in memory kind `device`; the host tier keeps it in
+`pinned_host` and copies it to the device on read. Both hand back futures so callers treat every
+tier alike, but the work is JAX's asynchronous dispatch, so the futures complete at once.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import jax
+import numpy as np
+
+from zinfjax.store.base import LayerStore, done_future, wait_after
+from zinfjax.store.errors import LayerNotWrittenError
+from zinfjax.store.layout import LeafLayout, with_memory_kind
+
+
+class MemoryStore(LayerStore):
+    """A tier that holds every layer as jax.Arrays in one memory kind.
+
+    Args:
+        like: the abstract stacked tree.
+        layouts: one `LeafLayout` per leaf.
+        memory_kind: "device" or "pinned_host".
+    """
+
+    def __init__(self, like, layouts: list[LeafLayout], memory_kind: str):
+        super().__init__(like, layouts)
+        self.memory_kind = memory_kind
+        self._held = [with_memory_kind(lay.sharding, memory_kind) for lay in layouts]
+        self._layers: list[list | None] = [None] * self.num_layers
+
+    def _start_write(self, i: int, leaves: list, after: Future | None) -> Future:
+        self._layers[i] = [self._place(x, s) for x, s in zip(leaves, self._held, strict=True)]
+        self.stats.bytes_written += self.layer_nbytes
+        return done_future(None)
+
+    def _start_read(self, i: int, after: Future | None) -> Future:
+        try:
+            wait_after(i, after)
+            held = self._layers[i]
+            if held is None:
+                raise LayerNotWrittenError(
+                    f"layer {i} of the {self.tier} store was read before it was written"
+                )
+            out = [jax.device_put(x, lay.sharding) for x, lay in zip(held, self.layouts, strict=True)]
+        except Exception as e:  # noqa: BLE001 - every failure belongs in the future
+            fut: Future = Future()
+            fut.set_exception(e)
+            return fut
+        self.stats.bytes_read += self.layer_nbytes
+        return done_future(self._unflatten(out))
+
+    @staticmethod
+    def _place(x, sharding):
+        if isinstance(x, np.ndarray):
+            # device_put may alias an aligned numpy array on the CPU backend; the caller may reuse
+            # its array, so the store keeps a private copy.
+            x = np.array(x, copy=True)
+        return jax.device_put(x, sharding)
+
+    def _release(self) -> None:
+        self._layers = [None] * self.num_layers
+
+
+class DeviceStore(MemoryStore):
+    """The device tier: layers stay in device memory."""
+
+    tier = "device"
+
+    def __init__(self, like, layouts: list[LeafLayout]):
+        super().__init__(like, layouts, "device")
+
+
+class HostStore(MemoryStore):
+    """The host tier: layers in pinned host memory, copied to the device on read."""
+
+    tier = "host"
+
+    def __init__(self, like, layouts: list[LeafLayout]):
+        super().__init__(like, layouts, "pinned_host")

@@ -1,0 +1,313 @@
+"""The nvme tier: one tensorstore zarr3 array per leaf, one chunk per (layer, device shard).
+
+Each chunk is raw little-endian bytes followed by a crc32c checksum, checked on every read. The
+`file` kvstore writes a chunk to a temporary file and renames it into place, so a chunk is either
+the old or the new one, never half of each. Reads and writes stage through host buffers from a
+`BufferPool`, run on small thread pools, and hand back futures.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from zinfjax.store import manifest
+from zinfjax.store.base import LayerStore, wait_after
+from zinfjax.store.disk import check_free_space, free_bytes, is_disk_full, prepare_directory
+from zinfjax.store.errors import (
+    LayerNotWrittenError,
+    ManifestMismatchError,
+    StoreCorruptionError,
+    StoreError,
+    StorePathError,
+    StoreSpaceError,
+)
+from zinfjax.store.layout import LeafLayout, Shard
+from zinfjax.store.lock import StoreLock
+from zinfjax.store.pool import BufferPool, HostBuffer, aligned_size
+
+CHECKSUM_BYTES = 4
+# How tensorstore reports a chunk whose bytes are wrong: a checksum mismatch (DATA_LOSS), or a
+# file too short or malformed to decode.
+_CORRUPTION_SIGNS = (
+    "DATA_LOSS",
+    "igest",
+    "ecod",
+    "Not enough data",
+    "FAILED_PRECONDITION",
+    "INVALID_ARGUMENT",
+)
+DEFAULT_FILE_IO_CONCURRENCY = 32
+
+
+def tensorstore_context(
+    file_io_concurrency: int = DEFAULT_FILE_IO_CONCURRENCY,
+    file_io_sync: bool = True,
+    file_io_locking: str = "os",
+    file_io_mode: str = "default",
+    data_copy_concurrency: int = 4,
+) -> ts.Context:
+    """The tensorstore context the nvme tier opens its arrays with.
+
+    Args:
+        file_io_concurrency: how many file operations tensorstore runs at once.
+        file_io_sync: fsync each chunk (and its directory) before a write completes.
+        file_io_locking: "os", "lockfile", "none" or "non_atomic" (see tensorstore's file kvstore).
+        file_io_mode: "default", "memmap" or "direct" (O_DIRECT reads).
+        data_copy_concurrency: threads that checksum and copy chunk data.
+    """
+    spec = {
+        "file_io_concurrency": {"limit": file_io_concurrency},
+        "data_copy_concurrency": {"limit": data_copy_concurrency},
+        "file_io_sync": file_io_sync,
+        "file_io_locking": {"mode": file_io_locking},
+        "file_io_mode": {"mode": file_io_mode} if file_io_mode != "default" else {},
+    }
+    return ts.Context(spec)
+
+
+def zarr_spec(path: str, lay: LeafLayout) -> dict:
+    """The zarr3 spec of one leaf: chunk = (1 layer, 1 device shard), raw bytes + crc32c."""
+    return {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": path},
+        "metadata": {
+            "shape": [lay.num_layers, *lay.layer_shape],
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *lay.shard_shape]}},
+            "data_type": lay.dtype.name,
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        },
+        # A missing chunk means the layer was never written: say so instead of returning zeros,
+        # and store all-zero layers too, so that rule holds for them.
+        "fill_missing_data_reads": False,
+        "store_data_equal_to_fill_value": True,
+    }
+
+
+class NvmeStore(LayerStore):
+    """The nvme tier, rooted at one directory.
+
+    Args:
+        like: the abstract stacked tree.
+        layouts: one `LeafLayout` per leaf.
+        directory: the store directory (`<nvme_path>/<name>`).
+        pool: the host buffer pool for staging; one is made (4 layers) when None.
+        create: create the store when the directory holds none.
+        read_threads: reads that can run at once.
+        write_threads: writes that can run at once.
+        **context: options for `tensorstore_context`.
+    """
+
+    tier = "nvme"
+
+    def __init__(
+        self,
+        like,
+        layouts: list[LeafLayout],
+        directory: str,
+        pool: BufferPool | None = None,
+        *,
+        create: bool = True,
+        read_threads: int = 8,
+        write_threads: int = 4,
+        **context,
+    ):
+        super().__init__(like, layouts)
+        self.directory = os.path.abspath(directory)
+        prepare_directory(self.directory)
+        self._lock_file = StoreLock(self.directory)
+        self._lock_file.acquire()
+        try:
+            self._arrays = self._open(create, tensorstore_context(**context))
+        except BaseException:
+            self._lock_file.release()
+            raise
+        self.pool = pool or BufferPool(max(4 * self._read_nbytes(), 64 << 20))
+        self._readers = ThreadPoolExecutor(
+            read_threads, thread_name_prefix=f"zinf-read-{os.path.basename(directory)}"
+        )
+        self._writers = ThreadPoolExecutor(
+            write_threads, thread_name_prefix=f"zinf-write-{os.path.basename(directory)}"
+        )
+
+    def _open(self, create: bool, context: ts.Context) -> list[ts.TensorStore]:
+        expected = manifest.build(os.path.basename(self.directory), self.layouts)
+        found = manifest.read(self.directory)
+        if found is not None:
+            manifest.check(self.directory, found, expected)
+        elif not create:
+            raise StorePathError(
+                f"no store at {self.directory} (no {manifest.MANIFEST}); open it with create=True"
+            )
+        else:
+            check_free_space(self.directory, self.num_layers * self._write_nbytes(CHECKSUM_BYTES))
+        arrays = [self._open_leaf(lay, context) for lay in self.layouts]
+        if found is None:
+            manifest.write(self.directory, expected)
+        return arrays
+
+    def _open_leaf(self, lay: LeafLayout, context: ts.Context) -> ts.TensorStore:
+        try:
+            return ts.open(
+                zarr_spec(os.path.join(self.directory, lay.name), lay),
+                create=True,
+                open=True,
+                context=context,
+            ).result()
+        except ValueError as e:
+            raise ManifestMismatchError(
+                f"store {self.directory}: leaf {lay.name!r} on disk does not match "
+                f"{lay.dtype.name}{[lay.num_layers, *lay.layer_shape]}: {e}; "
+                "use a fresh nvme_path or delete it"
+            ) from e
+
+    def _write_nbytes(self, extra: int = 0) -> int:
+        return sum(lay.shard_nbytes + extra for lay in self.layouts for s in lay.shards if s.writer)
+
+    def _read_nbytes(self) -> int:
+        return sum(aligned_size(lay.shard_nbytes) for lay in self.layouts for s in lay.shards if s.devices)
+
+    def _start_write(self, i: int, leaves: list, after: Future | None) -> Future:
+        return self._writers.submit(self._write_layer, i, leaves, after)
+
+    def _start_read(self, i: int, after: Future | None) -> Future:
+        return self._readers.submit(self._read_layer, i, after)
+
+    def _write_layer(self, i: int, leaves: list, after: Future | None) -> None:
+        if after is not None:
+            after.exception()  # only the order matters: this write replaces that one either way
+        plan = [(k, s) for k, lay in enumerate(self.layouts) for s in lay.shards if s.writer]
+        buf = self.pool.acquire(sum(aligned_size(self.layouts[k].shard_nbytes) for k, _ in plan))
+        try:
+            pending = self._issue_writes(i, leaves, plan, buf)
+            for k, fut in pending:
+                self._wait(fut, i, self.layouts[k], writing=True)
+        finally:
+            buf.release()
+        self._count("bytes_written", self._write_nbytes())
+
+    def _issue_writes(self, i: int, leaves: list, plan: list, buf: HostBuffer) -> list:
+        host = [_on_layer_sharding(x, lay) for x, lay in zip(leaves, self.layouts, strict=True)]
+        pending, offset = [], 0
+        for k, shard in plan:
+            lay = self.layouts[k]
+            view = buf.view(offset, lay.shard_shape, lay.dtype)
+            offset += aligned_size(lay.shard_nbytes)
+            np.copyto(view, _host_shard(host[k], shard))
+            pending.append((k, self._arrays[k][(i, *shard.index)].write(view)))
+        return pending
+
+    def _read_layer(self, i: int, after: Future | None):
+        wait_after(i, after)
+        plan = [(k, s) for k, lay in enumerate(self.layouts) for s in lay.shards if s.devices]
+        buf = self.pool.acquire(self._read_nbytes())
+        try:
+            views, offset = [], 0
+            for k, _ in plan:
+                lay = self.layouts[k]
+                views.append(buf.view(offset, lay.shard_shape, lay.dtype))
+                offset += aligned_size(lay.shard_nbytes)
+            futures = [
+                ts.array(v, copy=False).write(self._arrays[k][(i, *s.index)])
+                for v, (k, s) in zip(views, plan, strict=True)
+            ]
+            for fut, (k, _) in zip(futures, plan, strict=True):
+                self._wait(fut, i, self.layouts[k], writing=False)
+            out = self._to_device(plan, views, buf)
+        finally:
+            buf.release()
+        self._count("bytes_read", sum(lay.shard_nbytes for k, s in plan for lay in [self.layouts[k]]))
+        return self._unflatten(out)
+
+    def _to_device(self, plan: list, views: list, buf: HostBuffer) -> list:
+        per_leaf: list[list] = [[] for _ in self.layouts]
+        for view, (k, shard) in zip(views, plan, strict=True):
+            per_leaf[k].extend(_device_put(view, d) for d in shard.devices)
+        per_leaf = [[_detach(x, buf) for x in xs] for xs in per_leaf]
+        return [
+            jax.make_array_from_single_device_arrays(lay.layer_shape, lay.sharding, xs)
+            for lay, xs in zip(self.layouts, per_leaf, strict=True)
+        ]
+
+    def _wait(self, fut, i: int, lay: LeafLayout, *, writing: bool) -> None:
+        try:
+            fut.result()
+        except (ValueError, OSError) as e:
+            raise self._translate(e, i, lay, writing) from e
+
+    def _translate(self, e: Exception, i: int, lay: LeafLayout, writing: bool) -> StoreError:
+        msg = str(e)
+        where = f"leaf {lay.name!r}, layer {i} of store {self.directory}"
+        if writing and is_disk_full(e):
+            need = self._write_nbytes(CHECKSUM_BYTES)
+            return StoreSpaceError(
+                f"disk full writing {where}: the layer needs {need} bytes, "
+                f"{free_bytes(self.directory)} are free; "
+                "free some space or use another nvme_path (layers already written remain readable)"
+            )
+        if not writing and "NOT_FOUND" in msg:
+            return LayerNotWrittenError(f"{where} was read before it was ever written")
+        if not writing and any(sign in msg for sign in _CORRUPTION_SIGNS):
+            return StoreCorruptionError(f"corrupt chunk in {where}: {msg}", leaf=lay.name, layer=i)
+        return StoreError(f"{'writing' if writing else 'reading'} {where} failed: {msg}")
+
+    def _count(self, field: str, nbytes: int) -> None:
+        with self._lock:
+            setattr(self.stats, field, getattr(self.stats, field) + nbytes)
+
+    def _release(self) -> None:
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
+        self._lock_file.release()
+
+
+def _on_layer_sharding(x, lay: LeafLayout):
+    if isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(lay.sharding, len(lay.layer_shape)):
+        return jax.device_put(x, lay.sharding)
+    return x
+
+
+def _host_shard(x, shard: Shard) -> np.ndarray:
+    if isinstance(x, jax.Array):
+        by_device = {s.device: s for s in x.addressable_shards}
+        return np.asarray(by_device[shard.devices[0]].data)
+    return np.asarray(x)[shard.index]
+
+
+def _device_put(view: np.ndarray, device) -> jax.Array:
+    """Copies a pool view to `device`, never leaving the result aliasing the pool.
+
+    On the CPU backend `device_put` of 64-byte-aligned host memory is zero-copy, so the view is
+    copied into a private aligned array that the device array then owns: one memcpy, where a
+    device-side copy of an aliasing array would cost two.
+    """
+    if device.platform != "cpu":
+        return jax.device_put(view, device)
+    private = aligned_empty(view.shape, view.dtype)
+    np.copyto(private, view)
+    return jax.device_put(private, device)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised array whose data starts on an `align`-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _detach(x: jax.Array, buf: HostBuffer) -> jax.Array:
+    """`x`, copied if it aliases `buf`, so the buffer can go back to the pool.
+
+    On the CPU backend `device_put` of an aligned numpy array can be zero-copy.
+    """
+    x.block_until_ready()
+    if buf.contains(x.unsafe_buffer_pointer()):
+        x = x.copy()
+        x.block_until_ready()
+    return x
