@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from functools import partial
 from typing import Any
@@ -97,12 +98,16 @@ class GPT(nn.Module):
         return self.head(h, self.embed.variables["params"]["wte"]["embedding"], targets)
 
     def layers(self) -> Layers:
-        """The embed / block / head split that zinfjax streams."""
-        c, dt = self.config, self.dtype
-        return Layers(
-            embed=lambda p, tokens: Embed(c, dt).apply({"params": p}, tokens),
-            block=lambda p, h: Block(c, dt).apply({"params": p}, h)[0],
-            head=lambda ph, pe, h, targets: Head(c, dt).apply(
-                {"params": ph}, h, pe["wte"]["embedding"], targets
-            ),
-        )
+        """The embed, block and head functions that zinfjax streams (cached per size)."""
+        return _layers(self.config, self.dtype)
+
+
+@functools.cache
+def _layers(c: ModelConfig, dt) -> Layers:
+    return Layers(
+        embed=lambda p, tokens: Embed(c, dt).apply({"params": p}, tokens),
+        block=lambda p, h: Block(c, dt).apply({"params": p}, h)[0],
+        head=lambda ph, pe, h, targets: Head(c, dt).apply(
+            {"params": ph}, h, pe["wte"]["embedding"], targets
+        ),
+    )

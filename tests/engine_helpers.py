@@ -1,0 +1,93 @@
+"""Shared runs for the engine tests: the reference trainer and the engine on the same seed and data."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from zinfjax import Config, models
+from zinfjax.data import Batches, load_tokens
+from zinfjax.engine import Engine
+from zinfjax.optim import make_optimizer
+from zinfjax.reference import init_state, make_step
+from zinfjax.sharding import make_mesh
+
+STEPS = 20
+BASE = dict(model="gpt2-tiny", batch_size=8, seq_len=16, lr=1e-3, mesh="data:4")
+
+
+def config(**kw) -> Config:
+    return Config(**{**BASE, **kw})
+
+
+@functools.cache
+def tokens():
+    return load_tokens("demo")
+
+
+def batches(c: Config):
+    return Batches(tokens(), c.batch_size, c.seq_len, c.seed)
+
+
+@functools.cache
+def _tx(c: Config):
+    return make_optimizer(c)
+
+
+def reference_run(c: Config, steps: int = STEPS):
+    """Losses and final params of the in-memory reference trainer."""
+    model = models.build(c.model)
+    mesh = make_mesh(c.mesh_axes())
+    params, opt = init_state(model, _tx(c), mesh, c.seed, c.seq_len)
+    step = make_step(model.layers(), _tx(c), mesh, c.grad_accum)
+    data, losses = batches(c), []
+    for _ in range(steps):
+        params, opt, loss = step(params, opt, next(data))
+        losses.append(float(loss))
+    return losses, jax.tree.map(np.asarray, params)
+
+
+def initial_params(c: Config):
+    model = models.build(c.model)
+    mesh = make_mesh(c.mesh_axes())
+    return init_state(model, _tx(c), mesh, c.seed, c.seq_len)[0]
+
+
+def engine_run(c: Config, steps: int = STEPS):
+    """Losses, final params and per-step metrics of the engine."""
+    model = models.build(c.model)
+    engine_tx = _tx(c.replace(grad_clip=0.0))  # the engine clips from Config.grad_clip itself
+    engine = Engine(model.layers(), initial_params(c), engine_tx, c, make_mesh(c.mesh_axes()),
+                    (c.batch_size, c.seq_len + 1))
+    try:
+        data, losses, metrics = batches(c), [], []
+        for _ in range(steps):
+            m = engine.train_step(next(data))
+            losses.append(m["loss"])
+            metrics.append(m)
+        params = jax.tree.map(np.asarray, engine.params("master" if engine.stores.master else "params"))
+    finally:
+        engine.close()
+    return losses, params, metrics
+
+
+# GPT-2's key bias adds the same amount to every score of a softmax row, so its true gradient is
+# zero; Adam normalises the rounding noise into full-size steps, so this leaf follows noise alone.
+ZERO_GRADIENT_LEAVES = ("['blocks']['k']['bias']",)
+
+
+def relative_error(a, b) -> float:
+    """||a - b|| / ||a|| over the leaves of two parameter trees, less those with a zero true gradient."""
+    keep = [jax.tree_util.keystr(p) not in ZERO_GRADIENT_LEAVES for p, _ in jax.tree_util.tree_leaves_with_path(a)]
+    la = [x for x, k in zip(jax.tree.leaves(a), keep, strict=True) if k]
+    lb = [x for x, k in zip(jax.tree.leaves(b), keep, strict=True) if k]
+    num = sum(float(np.sum((np.float64(x) - np.float64(y)) ** 2)) for x, y in zip(la, lb, strict=True))
+    den = sum(float(np.sum(np.float64(x) ** 2)) for x in la)
+    return (num / den) ** 0.5
+
+
+def assert_bitwise(a, b) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)

@@ -1,0 +1,265 @@
+"""The streaming step: a prefetching scan over layers, with every part of the state on its tier.
+
+Forward reads each layer's parameters ``prefetch_depth`` layers ahead and writes the
+layer-boundary activations to their tier. Backward walks the layers in reverse, reads
+parameters, activation and optimizer state ahead, recomputes each layer inside its VJP,
+and hands the layer's gradient to the optimizer at once. When the step needs every
+gradient first (global-norm clipping, fp16 overflow checks) gradients are spooled to the
+gradient tier and applied in a second sweep. See DESIGN.md, "The one idea".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zinfjax.config import Config
+from zinfjax.engine.functions import make_layer_functions
+from zinfjax.engine.readahead import Read, ReadAhead
+from zinfjax.engine.stores import GROUPS, build_stores, plan_stores
+from zinfjax.engine.telemetry import StepTelemetry
+from zinfjax.engine.update import check_elementwise, make_update, spool_grads
+from zinfjax.models.layered import Layers, check_params
+from zinfjax.reference import micro_batches
+from zinfjax.sharding import check_batch
+
+COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+class LossScale:
+    """Dynamic fp16 loss scaling with DeepSpeed's defaults: skip and halve on overflow, double after 1000."""
+
+    def __init__(self, enabled: bool, initial: float = 2.0**16, window: int = 1000, minimum: float = 1.0):
+        self.enabled, self.scale, self.window, self.minimum, self.good = enabled, initial, window, minimum, 0
+
+    @property
+    def value(self) -> float:
+        return self.scale if self.enabled else 1.0
+
+    def after_step(self, finite: bool) -> None:
+        if not self.enabled:
+            return
+        if not finite:
+            self.scale, self.good = max(self.scale / 2, self.minimum), 0
+            return
+        self.good += 1
+        if self.good >= self.window:
+            self.scale, self.good = self.scale * 2, 0
+
+
+class Engine:
+    """Trains a layered model with its state on the tiers of ``config``.
+
+    Example:
+        >>> engine = Engine(model.layers(), params, optax.adamw(1e-3), config, mesh, batch_shape=(8, 65))
+        >>> metrics = engine.train_step(batch)
+    """
+
+    def __init__(self, layers: Layers, params, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
+                 batch_shape: tuple[int, int]):
+        check_elementwise(tx)
+        source = params if isinstance(params, ParamSource) else ParamSource.from_tree(params)
+        self.num_layers = check_params(source.abstract)
+        check_batch(batch_shape[0], mesh, config.grad_accum)
+        self.config, self.mesh, self.tx = config, mesh, tx
+        self.compute_dtype = COMPUTE_DTYPES[config.precision]
+        self.spool = config.grad_clip > 0 or config.precision == "fp16"
+        self.loss_scale = LossScale(config.precision == "fp16")
+        self.fns = make_layer_functions(layers)
+        self.update = make_update(tx, self.compute_dtype)
+        self.step_count = 0
+        self._sumsq_parts: list = []
+        self.data_sharding = NamedSharding(mesh, P(None, "data"))
+        abstract = source.abstract
+        plan = plan_stores(config, mesh, abstract, self._opt_like(abstract),
+                           self._act_like(abstract, batch_shape), self.spool, self.compute_dtype)
+        self.stores = build_stores(config, plan)
+        try:
+            self._fill(source)
+        except BaseException:
+            self.stores.close()
+            raise
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def _opt_like(self, abstract):
+        def f32(tree):
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), tree)
+
+        return {g: jax.eval_shape(jax.vmap(self.tx.init) if g == "blocks" else self.tx.init, f32(abstract[g]))
+                for g in GROUPS}
+
+    def _act_like(self, params, batch_shape):
+        """The activation checkpoint of one step: (L, micro-batches, rows, T, D) in what embed returns."""
+        a = self.config.grad_accum
+        b, t = batch_shape[0] // a, batch_shape[1] - 1
+        embed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), self.compute_dtype), params["embed"])
+        h = jax.eval_shape(self.fns.embed_fwd, embed, jax.ShapeDtypeStruct((a, b, t), jnp.int32))
+        sharding = NamedSharding(self.mesh, P(None, None, "data"))
+        return {"h": jax.ShapeDtypeStruct((self.num_layers, *h.shape), h.dtype, sharding=sharding)}
+
+    def _fill(self, source: ParamSource) -> None:
+        """Writes the initial state into the stores, one layer at a time."""
+        for g in GROUPS:
+            stores = [self.stores.params[g], self.stores.opt[g]] + ([self.stores.master[g]] if self.stores.master else [])
+            for i in range(self.num_layers if g == "blocks" else 1):
+                compute, master, opt = self._init_layer(source.layer(g, i))
+                for store, tree in zip(stores, (compute, opt, master), strict=False):
+                    store.write(i, tree)
+            self.stores.flush()
+
+    @functools.cached_property
+    def _init_layer(self):
+        def init(layer):
+            master = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), layer)
+            return jax.tree.map(lambda x: x.astype(self.compute_dtype), master), master, self.tx.init(master)
+
+        return jax.jit(init)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def train_step(self, batch) -> dict:
+        """One optimizer step on ``batch`` (B, T+1); returns the step's metrics."""
+        telemetry = StepTelemetry(self.stores.all())
+        tokens = jax.device_put(micro_batches(np.asarray(batch), self.config.grad_accum), self.data_sharding)
+        x, y = tokens[:, :, :-1], tokens[:, :, 1:]
+        written: set[int] = set()
+        reads = ReadAhead(self._schedule(written), self.config.prefetch_depth)
+        scale = jnp.float32(self.loss_scale.value)
+
+        (pe,) = next(reads)
+        h = self.fns.embed_fwd(pe, x)
+        for i in range(self.num_layers):
+            (p,) = next(reads)
+            self.stores.acts.write(i, {"h": h})
+            written.add(i)
+            h = self.fns.block_fwd(p, h)
+
+        ph, pe, *head_opt = next(reads)
+        loss, dh, g_head, g_embed_tied = self.fns.head_fwd_bwd(ph, pe, h, y, scale)
+        self._finish("head", 0, ph, g_head, head_opt)
+        for i in reversed(range(self.num_layers)):
+            p, act, *opt = next(reads)
+            dh, g = self.fns.block_bwd(p, act["h"], dh)
+            self._finish("blocks", i, p, g, opt)
+        pe, *embed_opt = next(reads)
+        g_embed = jax.tree.map(jnp.add, self.fns.embed_bwd(pe, x, dh), g_embed_tied)
+        self._finish("embed", 0, pe, g_embed, embed_opt)
+        telemetry.add_reads(reads)
+
+        skipped = False
+        if self.spool:
+            skipped = self._apply_spooled(telemetry)
+        loss = float(loss)
+        self.stores.flush()
+        self.step_count += 0 if skipped else 1
+        return telemetry.finish(loss=loss, skipped=skipped, loss_scale=self.loss_scale.value)
+
+    def _schedule(self, written: set[int]) -> list[list[Read]]:
+        """Every read of a step, grouped by the layer compute that needs them, in order."""
+        s, L = self.stores, self.num_layers
+        fused = not self.spool
+
+        def opt_reads(g, i):
+            if not fused:
+                return []
+            reads = [Read(f"opt_{g}", s.opt[g], i)]
+            return reads + ([Read(f"master_{g}", s.master[g], i)] if s.master else [])
+
+        groups = [[Read("params_embed", s.params["embed"], 0)]]
+        groups += [[Read("params_blocks", s.params["blocks"], i)] for i in range(L)]
+        groups.append([Read("params_head", s.params["head"], 0), Read("params_embed", s.params["embed"], 0),
+                       *opt_reads("head", 0)])
+        for i in reversed(range(L)):
+            act = Read("acts", s.acts, i, ready=lambda i=i: i in written)
+            groups.append([Read("params_blocks", s.params["blocks"], i), act, *opt_reads("blocks", i)])
+        groups.append([Read("params_embed", s.params["embed"], 0), *opt_reads("embed", 0)])
+        return groups
+
+    def _finish(self, group: str, i: int, params, grads, opt) -> None:
+        """Hands one layer's gradient on: applied now (fused), or spooled for the second sweep."""
+        if self.spool:
+            grads, sumsq = spool_grads(grads)
+            self.stores.grads[group].write(i, grads)
+            self._sumsq_parts.append(sumsq)
+            return
+        master = opt[1] if len(opt) > 1 else params
+        self._apply(group, i, master, grads, opt[0], jnp.float32(0), jnp.float32(jnp.inf), jnp.float32(1))
+
+    def _apply(self, group, i, master, grads, opt, g_norm, max_norm, grad_div) -> None:
+        compute, master, opt = self.update(master, grads, opt, g_norm, max_norm, grad_div)
+        self.stores.params[group].write(i, compute)
+        self.stores.opt[group].write(i, opt)
+        if self.stores.master:
+            self.stores.master[group].write(i, master)
+
+    def _apply_spooled(self, telemetry: StepTelemetry) -> bool:
+        """The second sweep: global norm, overflow check, then every layer's update."""
+        parts, self._sumsq_parts = self._sumsq_parts, []
+        grad_div = jnp.float32(self.loss_scale.value)
+        g_norm = jnp.sqrt(sum(parts)) / grad_div
+        finite = bool(jnp.isfinite(g_norm))
+        self.loss_scale.after_step(finite)
+        if not finite:
+            return True
+        max_norm = jnp.float32(self.config.grad_clip if self.config.grad_clip > 0 else jnp.inf)
+        s = self.stores
+        units = [("head", 0)] + [("blocks", i) for i in reversed(range(self.num_layers))] + [("embed", 0)]
+        groups = []
+        for g, i in units:
+            source = s.master[g] if s.master else s.params[g]
+            groups.append([Read(f"grads_{g}", s.grads[g], i), Read(f"opt_{g}", s.opt[g], i),
+                           Read(f"master_{g}" if s.master else f"params_{g}", source, i)])
+        reads = ReadAhead(groups, self.config.prefetch_depth)
+        for (g, i), (grads, opt, master) in zip(units, reads, strict=True):
+            self._apply(g, i, master, grads, opt, g_norm, max_norm, grad_div)
+        telemetry.add_reads(reads)
+        return False
+
+    # ---- reading the state back --------------------------------------------------------------
+
+    def params(self, kind: str = "params"):
+        """The whole parameter tree (``kind`` = params or master), gathered into memory."""
+        stores = getattr(self.stores, kind)
+        out = {}
+        for g in GROUPS:
+            tree = stores[g].read_all()
+            out[g] = tree if g == "blocks" else jax.tree.map(lambda x: x[0], tree)
+        return out
+
+    def close(self) -> None:
+        self.stores.close()
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+class ParamSource:
+    """Where the initial parameters come from, one layer at a time.
+
+    ``abstract`` is the whole tree as ``ShapeDtypeStruct`` leaves; ``layer(group, i)`` returns
+    one layer of a group (the whole group for ``embed`` and ``head``). A model larger than
+    memory is initialised through a source that builds each layer on demand.
+
+    Example:
+        >>> ParamSource.from_tree(params).layer("blocks", 3)
+    """
+
+    def __init__(self, abstract, layer):
+        self.abstract, self.layer = abstract, layer
+
+    @classmethod
+    def from_tree(cls, params) -> ParamSource:
+        check_params(params)
+
+        def layer(group, i):
+            return jax.tree.map(lambda x: x[i], params[group]) if group == "blocks" else params[group]
+
+        return cls(_abstract(params), layer)

@@ -1,0 +1,89 @@
+"""Reads that run ahead of compute: a schedule of read groups, ``depth`` groups in flight.
+
+The order of every read in a step is known before the step starts. A group holds the
+reads one layer's compute needs (its parameters, its activation checkpoint, its optimizer
+state). `ReadAhead` keeps the next ``depth`` groups in flight while the consumer works on
+the current one. A read may carry a readiness test (an activation checkpoint must be
+written before it is read back); issuing stops at the first group that is not ready.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """One read: ``store.read(layer)`` under a telemetry ``track`` name."""
+
+    track: str
+    store: object
+    layer: int
+    ready: Callable[[], bool] | None = None
+
+
+@dataclasses.dataclass
+class ReadEvent:
+    """Telemetry of one read (``time.perf_counter`` seconds)."""
+
+    track: str
+    layer: int
+    issue_t: float
+    complete_t: float | None = None
+
+
+class ReadAhead:
+    """Yields each group's results (a list, in the group's order), keeping ``depth`` groups ahead.
+
+    Example:
+        >>> groups = [[Read("params", store, i)] for i in range(L)]
+        >>> for (layer,) in ReadAhead(groups, depth=2):
+        ...     h = block(layer, h)
+    """
+
+    def __init__(self, groups: Sequence[Sequence[Read]], depth: int):
+        self.groups = [list(g) for g in groups]
+        self.depth = depth
+        self.events: list[ReadEvent] = []
+        self.stall_s = 0.0
+        self._pending: collections.deque = collections.deque()
+        self._issued = 0
+        self._consumed = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list:
+        if self._consumed >= len(self.groups):
+            raise StopIteration
+        self._fill(self._consumed + self.depth)
+        if not self._pending:  # the group was not ready ahead of time: issue it now
+            self._issue(self.groups[self._issued])
+        futures = self._pending.popleft()
+        self._consumed += 1
+        start = time.perf_counter()
+        results = [f.result() for f in futures]
+        self.stall_s += time.perf_counter() - start
+        self._fill(self._consumed + self.depth)
+        return results
+
+    def _fill(self, upto: int) -> None:
+        while self._issued <= min(upto, len(self.groups) - 1):
+            group = self.groups[self._issued]
+            if self._issued > self._consumed and not all(r.ready is None or r.ready() for r in group):
+                return
+            self._issue(group)
+
+    def _issue(self, group: list[Read]) -> None:
+        futures = []
+        for r in group:
+            event = ReadEvent(r.track, r.layer, time.perf_counter())
+            self.events.append(event)
+            fut = r.store.read(r.layer)
+            fut.add_done_callback(lambda _, e=event: setattr(e, "complete_t", time.perf_counter()))
+            futures.append(fut)
+        self._pending.append(futures)
+        self._issued += 1

@@ -1,0 +1,114 @@
+"""The stores a wrapped state lives in, one per (kind, group), each on the tier the config gives.
+
+Kinds: ``params`` (compute copy), ``master`` (fp32 master weights, only under mixed
+precision), ``opt`` (optax state), ``grads`` (spooled gradients, only when the step needs
+every gradient before updating) and ``acts`` (layer-boundary activation checkpoints).
+Groups: ``embed`` and ``head`` are stores of one layer, ``blocks`` of L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zinfjax.config import Config
+from zinfjax.store import BufferPool, LayerStore, open_store
+from zinfjax.store.disk import check_free_space, prepare_directory
+from zinfjax.store.errors import BufferBudgetError
+
+GROUPS = ("embed", "blocks", "head")
+
+
+def stacked_like(tree, group: str, sharding):
+    """Abstract stacked leaves: ``embed`` and ``head`` gain a layer axis of 1."""
+
+    def one(x):
+        shape = x.shape if group == "blocks" else (1, *x.shape)
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(one, tree)
+
+
+def unstack(tree, group: str):
+    """Layer views of a concrete tree: ``embed``/``head`` gain their layer axis of 1."""
+    return tree if group == "blocks" else jax.tree.map(lambda x: x[None], tree)
+
+
+@dataclasses.dataclass
+class EngineStores:
+    """Every store of one wrapped state."""
+
+    params: dict[str, LayerStore]
+    opt: dict[str, LayerStore]
+    master: dict[str, LayerStore] | None
+    grads: dict[str, LayerStore] | None
+    acts: LayerStore
+    pool: BufferPool
+
+    def all(self) -> list[LayerStore]:
+        kinds = [self.params, self.opt, self.master or {}, self.grads or {}]
+        return [s for kind in kinds for s in kind.values()] + [self.acts]
+
+    def flush(self) -> None:
+        for store in self.all():
+            store.flush()
+
+    def close(self) -> None:
+        for store in self.all():
+            store.close()
+
+
+def plan_stores(config: Config, mesh: Mesh, params_like, opt_like, act_like, spool: bool,
+                compute_dtype) -> list[tuple[str, str, str, object]]:
+    """Every store as ``(kind, group, tier, stacked abstract tree)``, before anything is opened."""
+    rep = NamedSharding(mesh, P())
+    mixed = compute_dtype != jnp.float32
+
+    def cast(tree, dtype):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype), tree)
+
+    kinds = [("params", config.params, params_like, compute_dtype), ("opt", config.optimizer, opt_like, None)]
+    if mixed:
+        kinds.append(("master", config.optimizer, params_like, jnp.float32))
+    if spool:
+        kinds.append(("grads", config.gradients, params_like, jnp.float32))
+    plan = [(kind, g, tier, stacked_like(cast(like[g], dtype), g, rep))
+            for kind, tier, like, dtype in kinds for g in GROUPS]
+    return [*plan, ("acts", "blocks", config.activations, act_like)]
+
+
+def build_stores(config: Config, plan) -> EngineStores:
+    """Checks the plan against the disk and the buffer budget, then opens every store (empty)."""
+    preflight(config, plan)
+    pool = BufferPool(config.host_buffer_bytes)
+    opened: dict[str, dict[str, LayerStore]] = {}
+    for kind, group, tier, like in plan:
+        name = kind if kind == "acts" else f"{kind}_{group}"
+        opened.setdefault(kind, {})[group] = open_store(tier, like, path=config.nvme_path, name=name, pool=pool)
+    return EngineStores(
+        params=opened["params"], opt=opened["opt"], master=opened.get("master"), grads=opened.get("grads"),
+        acts=opened["acts"]["blocks"], pool=pool,
+    )
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def preflight(config: Config, plan) -> None:
+    """Before anything is written: the path is writable, can hold the state, and one layer fits the buffers."""
+    on_nvme = [like for _, _, tier, like in plan if tier == "nvme"]
+    if not on_nvme:
+        return
+    layer = max(_nbytes(like) // jax.tree.leaves(like)[0].shape[0] for like in on_nvme)
+    if layer > config.host_buffer_bytes:
+        raise BufferBudgetError(
+            f"host_buffer_bytes={config.host_buffer_bytes} cannot hold one layer: the largest layer needs "
+            f"{layer} bytes; raise host_buffer_bytes to at least {layer}"
+        )
+    prepare_directory(config.nvme_path)
+    check_free_space(config.nvme_path, sum(_nbytes(like) for like in on_nvme))
