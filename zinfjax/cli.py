@@ -60,7 +60,9 @@ def _train(args) -> int:
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON (io, ...)",
                        description="Benchmarks. Each prints one JSON object; see docs/BENCHMARKS.md.")
-    p.add_argument("name", choices=["io"], help="io: the nvme tier against raw O_DIRECT disk throughput")
+    p.add_argument("name", choices=["io", "step", "capacity"],
+                   help="io: the nvme tier against raw O_DIRECT disk throughput; step: reference vs engine on "
+                   "device, host and nvme tiers against the I/O floor; capacity: a state far larger than memory")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (see `zinfjax bench io -h`)")
     p.set_defaults(func=_bench)
 

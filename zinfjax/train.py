@@ -13,18 +13,19 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
+import optax
 from tqdm import tqdm
 
 from zinfjax import models
-from zinfjax.config import Config
+from zinfjax.config import TIER_KEYS, Config
 from zinfjax.data import Batches, check_vocab, load_tokens
+from zinfjax.engine import Engine
+from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.optim import make_optimizer
 from zinfjax.plots import loss_curve
 from zinfjax.reference import init_state, make_step
 from zinfjax.sharding import batch_sharding, check_batch, make_mesh
-
-COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+from zinfjax.units import format_bytes
 
 
 class ReferenceTrainer:
@@ -42,6 +43,26 @@ class ReferenceTrainer:
         return {"loss": float(loss)}
 
 
+class EngineTrainer:
+    """The streaming engine behind the same ``step(batch) -> metrics`` interface."""
+
+    def __init__(self, config: Config, model, mesh):
+        params, _ = init_state(model, optax.identity(), mesh, config.seed, config.seq_len)
+        tx = make_optimizer(config.replace(grad_clip=0.0))  # the engine clips from config.grad_clip itself
+        self.engine = Engine(model.layers(), params, tx, config, mesh, (config.batch_size, config.seq_len + 1))
+
+    def step(self, batch) -> dict:
+        return self.engine.train_step(batch)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def uses_engine(config: Config) -> bool:
+    """The reference trainer serves a plain in-memory run; anything offloaded or sharded streams."""
+    return config.stage > 0 or any(getattr(config, k) != "device" for k in TIER_KEYS)
+
+
 def build_trainer(config: Config):
     """The model, mesh and trainer a config describes."""
     model_config = models.ModelConfig.named(config.model)
@@ -52,7 +73,8 @@ def build_trainer(config: Config):
         from zinfjax.errors import ConfigError
 
         raise ConfigError(f"seq_len={config.seq_len} exceeds the model's context of {model_config.max_seq_len}")
-    return model, ReferenceTrainer(config, model, mesh)
+    trainer = EngineTrainer if uses_engine(config) else ReferenceTrainer
+    return model, trainer(config, model, mesh)
 
 
 def run(config: Config, progress: bool = True) -> dict:
@@ -63,16 +85,31 @@ def run(config: Config, progress: bool = True) -> dict:
     batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
     log = {"config": config.to_dict(), "steps": []}
     bar = tqdm(range(1, config.steps + 1), disable=not progress, unit="step", dynamic_ncols=True)
-    for step in bar:
-        start = time.perf_counter()
-        metrics = trainer.step(next(batches))
-        seconds = time.perf_counter() - start
-        record = {"step": step, **metrics, "tokens_per_s": config.batch_size * config.seq_len / seconds}
-        log["steps"].append(record)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+    try:
+        for step in bar:
+            start = time.perf_counter()
+            metrics = trainer.step(next(batches))
+            seconds = time.perf_counter() - start
+            record = {"step": step, **metrics, "tokens_per_s": config.batch_size * config.seq_len / seconds}
+            log["steps"].append(record)
+            bar.set_postfix_str(progress_text(record), refresh=False)
+    finally:
+        getattr(trainer, "close", lambda: None)()
     if config.log:
         write_log(log, config.log)
     return log
+
+
+def progress_text(record: dict) -> str:
+    """Loss, tokens/s, and for a streamed step the I/O stall, overlap and bytes moved per tier."""
+    parts = [f"loss={record['loss']:.4f}", f"tok/s={record['tokens_per_s']:.0f}"]
+    if "stall_s" in record:
+        parts += [f"stall={record['stall_s']:.2f}s", f"overlap={record['overlap']:.0%}"]
+    for tier in ("host", "nvme"):
+        moved = record.get(f"read_bytes_{tier}", 0) + record.get(f"write_bytes_{tier}", 0)
+        if moved:
+            parts.append(f"{tier}={format_bytes(moved)}")
+    return " ".join(parts)
 
 
 def write_log(log: dict, path: str) -> None:

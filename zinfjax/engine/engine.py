@@ -11,6 +11,7 @@ gradient tier and applied in a second sweep. See DESIGN.md, "The one idea".
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zinfjax.config import Config
+from zinfjax.errors import ConfigError
 from zinfjax.engine.functions import make_layer_functions
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.engine.stores import GROUPS, build_stores, plan_stores
@@ -63,6 +65,9 @@ class Engine:
 
     def __init__(self, layers: Layers, params, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
                  batch_shape: tuple[int, int]):
+        if config.stage > 0:
+            raise ConfigError(f"stage={config.stage}: this version streams stage 0 (replicated state) only; "
+                              "set stage=0")
         check_elementwise(tx)
         source = params if isinstance(params, ParamSource) else ParamSource.from_tree(params)
         self.num_layers = check_params(source.abstract)
@@ -74,6 +79,7 @@ class Engine:
         self.fns = make_layer_functions(layers)
         self.update = make_update(tx, self.compute_dtype)
         self.step_count = 0
+        self.tracer = None  # a zinfjax.engine.trace.Tracer while one is attached
         self._sumsq_parts: list = []
         self.data_sharding = NamedSharding(mesh, P(None, "data"))
         abstract = source.abstract
@@ -126,7 +132,7 @@ class Engine:
 
     def train_step(self, batch) -> dict:
         """One optimizer step on ``batch`` (B, T+1); returns the step's metrics."""
-        telemetry = StepTelemetry(self.stores.all())
+        telemetry = StepTelemetry(self.stores.all(), self.tracer)
         tokens = jax.device_put(micro_batches(np.asarray(batch), self.config.grad_accum), self.data_sharding)
         x, y = tokens[:, :, :-1], tokens[:, :, 1:]
         written: set[int] = set()
@@ -134,22 +140,22 @@ class Engine:
         scale = jnp.float32(self.loss_scale.value)
 
         (pe,) = next(reads)
-        h = self.fns.embed_fwd(pe, x)
+        h = self._run("embed_fwd", 0, self.fns.embed_fwd, pe, x)
         for i in range(self.num_layers):
             (p,) = next(reads)
-            self.stores.acts.write(i, {"h": h})
+            self._write("acts", self.stores.acts, i, {"h": h})
             written.add(i)
-            h = self.fns.block_fwd(p, h)
+            h = self._run("block_fwd", i, self.fns.block_fwd, p, h)
 
         ph, pe, *head_opt = next(reads)
-        loss, dh, g_head, g_embed_tied = self.fns.head_fwd_bwd(ph, pe, h, y, scale)
+        loss, dh, g_head, g_embed_tied = self._run("head", 0, self.fns.head_fwd_bwd, ph, pe, h, y, scale)
         self._finish("head", 0, ph, g_head, head_opt)
         for i in reversed(range(self.num_layers)):
             p, act, *opt = next(reads)
-            dh, g = self.fns.block_bwd(p, act["h"], dh)
+            dh, g = self._run("block_bwd", i, self.fns.block_bwd, p, act["h"], dh)
             self._finish("blocks", i, p, g, opt)
         pe, *embed_opt = next(reads)
-        g_embed = jax.tree.map(jnp.add, self.fns.embed_bwd(pe, x, dh), g_embed_tied)
+        g_embed = jax.tree.map(jnp.add, self._run("embed_bwd", 0, self.fns.embed_bwd, pe, x, dh), g_embed_tied)
         self._finish("embed", 0, pe, g_embed, embed_opt)
         telemetry.add_reads(reads)
 
@@ -186,18 +192,34 @@ class Engine:
         """Hands one layer's gradient on: applied now (fused), or spooled for the second sweep."""
         if self.spool:
             grads, sumsq = spool_grads(grads)
-            self.stores.grads[group].write(i, grads)
+            self._write(f"grads_{group}", self.stores.grads[group], i, grads)
             self._sumsq_parts.append(sumsq)
             return
         master = opt[1] if len(opt) > 1 else params
         self._apply(group, i, master, grads, opt[0], jnp.float32(0), jnp.float32(jnp.inf), jnp.float32(1))
 
     def _apply(self, group, i, master, grads, opt, g_norm, max_norm, grad_div) -> None:
-        compute, master, opt = self.update(master, grads, opt, g_norm, max_norm, grad_div)
-        self.stores.params[group].write(i, compute)
-        self.stores.opt[group].write(i, opt)
+        name = "update" if group == "blocks" else f"update_{group}"
+        compute, master, opt = self._run(name, i, self.update, master, grads, opt, g_norm, max_norm, grad_div)
+        self._write(f"params_{group}", self.stores.params[group], i, compute)
+        self._write(f"opt_{group}", self.stores.opt[group], i, opt)
         if self.stores.master:
-            self.stores.master[group].write(i, master)
+            self._write(f"master_{group}", self.stores.master[group], i, master)
+
+    def _run(self, name: str, layer: int, fn, *args):
+        """``fn(*args)``, dispatched asynchronously; an attached tracer gets the dispatch time and the result."""
+        if self.tracer is None:
+            return fn(*args)
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self.tracer.compute(name, layer, t0, out)
+        return out
+
+    def _write(self, track: str, store, i: int, tree) -> None:
+        t0 = time.perf_counter()
+        future = store.write(i, tree)
+        if self.tracer is not None:
+            self.tracer.write(track, i, t0, future)
 
     def _apply_spooled(self, telemetry: StepTelemetry) -> bool:
         """The second sweep: global norm, overflow check, then every layer's update."""
