@@ -1,4 +1,4 @@
-"""A real tmpfs mounted by a test, for disk-full and read-only cases; skipped with the reason where mounting is not allowed."""
+"""A real tmpfs mounted by a test (disk-full, read-only), skipped with the reason where mounting is not allowed."""
 
 from __future__ import annotations
 

@@ -21,12 +21,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zinfjax.config import Config
-from zinfjax.errors import ConfigError
 from zinfjax.engine.functions import make_layer_functions
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.engine.stores import GROUPS, build_stores, plan_stores
 from zinfjax.engine.telemetry import StepTelemetry
 from zinfjax.engine.update import check_elementwise, make_update, spool_grads
+from zinfjax.errors import ConfigError
 from zinfjax.models.layered import Layers, check_params
 from zinfjax.reference import micro_batches
 from zinfjax.sharding import check_batch
@@ -113,7 +113,8 @@ class Engine:
     def _fill(self, source: ParamSource) -> None:
         """Writes the initial state into the stores, one layer at a time."""
         for g in GROUPS:
-            stores = [self.stores.params[g], self.stores.opt[g]] + ([self.stores.master[g]] if self.stores.master else [])
+            stores = [self.stores.params[g], self.stores.opt[g]]
+            stores += [self.stores.master[g]] if self.stores.master else []
             for i in range(self.num_layers if g == "blocks" else 1):
                 compute, master, opt = self._init_layer(source.layer(g, i))
                 for store, tree in zip(stores, (compute, opt, master), strict=False):
