@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.mounts import tmpfs
 from zinfjax.errors import UserError
 from zinfjax.store import (
     BufferPool,
@@ -149,31 +150,16 @@ def test_unwritable_path_is_refused_before_writing(tmp_path):
 
 
 def test_read_only_path_is_refused(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1M,ro", "tmpfs", str(ro)], capture_output=True
-    ).returncode:
-        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
-    try:
+    with tmpfs(tmp_path / "ro", "1M", read_only=True) as ro:
         with pytest.raises(StorePathError, match="not writable|cannot create"):
             open_store("nvme", _like(), path=str(ro))
         assert os.listdir(ro) == []
-    finally:
-        subprocess.run(["umount", str(ro)], check=False)
 
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs for the disk-full test: {result.stderr.strip() or 'mount failed'}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with tmpfs(tmp_path / "tmpfs", "8M") as mnt:
+        yield mnt
 
 
 def test_store_too_big_for_the_disk_is_refused_up_front(small_tmpfs):
