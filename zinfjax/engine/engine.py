@@ -10,6 +10,7 @@ gradient tier and applied in a second sweep. See DESIGN.md, "The one idea".
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 
@@ -32,6 +33,7 @@ from zinfjax.reference import micro_batches
 from zinfjax.sharding import check_batch
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+WRITES_PER_LAYER = 4  # the most one layer's step issues: params, opt, master, and acts or grads
 
 
 class LossScale:
@@ -80,6 +82,8 @@ class Engine:
         self.update = make_update(tx, self.compute_dtype)
         self.step_count = 0
         self.tracer = None  # a zinfjax.engine.trace.Tracer while one is attached
+        self._writes: collections.deque = collections.deque()  # writes in flight, oldest first
+        self._max_writes = WRITES_PER_LAYER * (config.prefetch_depth + 1)
         self._sumsq_parts: list = []
         self.data_sharding = NamedSharding(mesh, P(None, "data"))
         abstract = source.abstract
@@ -118,7 +122,7 @@ class Engine:
             for i in range(self.num_layers if g == "blocks" else 1):
                 compute, master, opt = self._init_layer(source.layer(g, i))
                 for store, tree in zip(stores, (compute, opt, master), strict=False):
-                    store.write(i, tree)
+                    self._write("fill", store, i, tree)
             self.stores.flush()
 
     @functools.cached_property
@@ -221,6 +225,11 @@ class Engine:
         future = store.write(i, tree)
         if self.tracer is not None:
             self.tracer.write(track, i, t0, future)
+        # A write holds its layer in memory until it lands; without a bound, a disk slower than
+        # compute would let that backlog grow with the number of layers (DESIGN.md, invariant 2).
+        self._writes.append(future)
+        while self._writes and (self._writes[0].done() or len(self._writes) > self._max_writes):
+            self._writes.popleft().exception()  # errors surface at the next flush
 
     def _apply_spooled(self, telemetry: StepTelemetry) -> bool:
         """The second sweep: global norm, overflow check, then every layer's update."""
