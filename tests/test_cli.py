@@ -31,3 +31,13 @@ def test_train_writes_log_and_loss_curve(tmp_path):
     assert [s["step"] for s in data["steps"]] == [1, 2, 3]
     assert data["config"]["steps"] == 3 and data["steps"][0]["tokens_per_s"] > 0
     assert (tmp_path / "run.png").exists()
+
+
+def test_train_trace_writes_perfetto_json_and_timeline_png(tmp_path):
+    trace = tmp_path / "trace.json"
+    out = zinfjax("train", "--quiet", "--set", "steps=2", "--set", "seq_len=32", "--set", "params=nvme",
+                  "--set", f"nvme_path={tmp_path / 'nv'}", "--trace", str(trace))
+    assert out.returncode == 0, out.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("ph") == "X" for e in events)
+    assert (tmp_path / "trace.png").stat().st_size > 1000

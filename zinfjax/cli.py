@@ -42,6 +42,8 @@ def add_train(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key; repeat for several")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of compute and every read and "
+                   "write per layer to FILE (JSON), and a PNG timeline beside it; needs an offloaded tier")
     p.set_defaults(func=_train)
 
 
@@ -50,7 +52,7 @@ def _train(args) -> int:
     from zinfjax.train import run
 
     config = Config.load(args.config, args.overrides)
-    log = run(config, progress=not args.quiet)
+    log = run(config, progress=not args.quiet, trace=args.trace)
     first, last = log["steps"][0]["loss"], log["steps"][-1]["loss"]
     print(f"trained {len(log['steps'])} steps: loss {first:.4f} -> {last:.4f}"
           + (f"; log {config.log}" if config.log else ""))

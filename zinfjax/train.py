@@ -77,9 +77,10 @@ def build_trainer(config: Config):
     return model, trainer(config, model, mesh)
 
 
-def run(config: Config, progress: bool = True) -> dict:
+def run(config: Config, progress: bool = True, trace: str | None = None) -> dict:
     """Trains for ``config.steps`` steps; writes the JSON log and loss curve when ``config.log`` is set."""
     model, trainer = build_trainer(config)
+    tracer = _attach_tracer(trainer, trace)
     tokens = load_tokens(config.data)
     check_vocab(tokens, model.config.vocab_size, config.data)
     batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
@@ -94,10 +95,27 @@ def run(config: Config, progress: bool = True) -> dict:
             log["steps"].append(record)
             bar.set_postfix_str(progress_text(record), refresh=False)
     finally:
+        if tracer is not None:
+            tracer.detach()
+            tracer.save(trace)
         getattr(trainer, "close", lambda: None)()
     if config.log:
         write_log(log, config.log)
     return log
+
+
+def _attach_tracer(trainer, path: str | None):
+    if path is None:
+        return None
+    if not isinstance(trainer, EngineTrainer):
+        from zinfjax.errors import ConfigError
+
+        raise ConfigError("--trace records the streaming engine; offload a tier (e.g. --set params=host)")
+    from zinfjax.engine.trace import Tracer
+
+    tracer = Tracer()
+    tracer.attach(trainer.engine)
+    return tracer
 
 
 def progress_text(record: dict) -> str:
