@@ -11,7 +11,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 from functools import partial
 from typing import Any
@@ -22,7 +21,8 @@ import jax.numpy as jnp
 
 from zinfjax.models.attention import causal_attention
 from zinfjax.models.configs import ModelConfig
-from zinfjax.models.layered import Layers, cross_entropy
+from zinfjax.models.layered import cross_entropy
+from zinfjax.models.stacked import StackedLM
 
 Dtype = Any
 normal = nn.initializers.normal
@@ -73,41 +73,14 @@ class Head(nn.Module):
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, h: jax.Array, wte: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+    def __call__(self, h: jax.Array, embed_params: Any, targets: jax.Array | None = None) -> jax.Array:
         h = nn.LayerNorm(epsilon=self.config.norm_eps, dtype=self.dtype, name="ln_f")(h)
+        wte = embed_params["wte"]["embedding"]
         logits = jnp.einsum("btd,vd->btv", h, wte.astype(self.dtype))
         return logits if targets is None else cross_entropy(logits, targets)
 
 
-class GPT(nn.Module):
+class GPT(StackedLM):
     """GPT-2: ``head(scan(block, embed(tokens)))``."""
 
-    config: ModelConfig
-    dtype: Dtype = jnp.float32
-
-    def setup(self):
-        c = self.config
-        self.embed = Embed(c, self.dtype)
-        scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.n_layers)
-        self.blocks = scan(c, self.dtype)
-        self.head = Head(c, self.dtype)
-
-    def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
-        h = self.embed(tokens)
-        h, _ = self.blocks(h, None)
-        return self.head(h, self.embed.variables["params"]["wte"]["embedding"], targets)
-
-    def layers(self) -> Layers:
-        """The embed, block and head functions that zinfjax streams (cached per size)."""
-        return _layers(self.config, self.dtype)
-
-
-@functools.cache
-def _layers(c: ModelConfig, dt) -> Layers:
-    return Layers(
-        embed=lambda p, tokens: Embed(c, dt).apply({"params": p}, tokens),
-        block=lambda p, h: Block(c, dt).apply({"params": p}, h)[0],
-        head=lambda ph, pe, h, targets: Head(c, dt).apply(
-            {"params": ph}, h, pe["wte"]["embedding"], targets
-        ),
-    )
+    parts = (Embed, Block, Head)

@@ -10,7 +10,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from functools import partial
 from typing import Any
 
@@ -20,7 +19,8 @@ import jax.numpy as jnp
 
 from zinfjax.models.attention import causal_attention
 from zinfjax.models.configs import ModelConfig
-from zinfjax.models.layered import Layers, cross_entropy
+from zinfjax.models.layered import cross_entropy
+from zinfjax.models.stacked import StackedLM
 
 Dtype = Any
 normal = nn.initializers.normal
@@ -88,32 +88,7 @@ class Head(nn.Module):
         return logits if targets is None else cross_entropy(logits, targets)
 
 
-class Llama(nn.Module):
+class Llama(StackedLM):
     """Llama: ``head(scan(block, embed(tokens)))``."""
 
-    config: ModelConfig
-    dtype: Dtype = jnp.float32
-
-    def setup(self):
-        c = self.config
-        self.embed = Embed(c, self.dtype)
-        scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.n_layers)
-        self.blocks = scan(c, self.dtype)
-        self.head = Head(c, self.dtype)
-
-    def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
-        h, _ = self.blocks(self.embed(tokens), None)
-        return self.head(h, self.embed.variables["params"], targets)
-
-    def layers(self) -> Layers:
-        """The embed, block and head functions that zinfjax streams (cached per size)."""
-        return _layers(self.config, self.dtype)
-
-
-@functools.cache
-def _layers(c: ModelConfig, dt) -> Layers:
-    return Layers(
-        embed=lambda p, tokens: Embed(c, dt).apply({"params": p}, tokens),
-        block=lambda p, h: Block(c, dt).apply({"params": p}, h)[0],
-        head=lambda ph, pe, h, targets: Head(c, dt).apply({"params": ph}, h, pe, targets),
-    )
+    parts = (Embed, Block, Head)
