@@ -61,7 +61,7 @@ def layerwise_source(config: ModelConfig, seed: int = 0):
     inits = {
         "embed": jax.jit(lambda k: Embed(config).init(k, tokens)["params"]),
         "blocks": jax.jit(lambda k: Block(config).init(k, h)["params"]),
-        "head": jax.jit(lambda k: Head(config).init(k, h, wte)["params"]),
+        "head": jax.jit(lambda k: Head(config).init(k, h, {"wte": {"embedding": wte}})["params"]),
     }
     root = jax.random.key(seed)
     index = {"embed": lambda i: 0, "head": lambda i: 1, "blocks": lambda i: 2 + i}
