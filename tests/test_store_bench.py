@@ -1,5 +1,7 @@
 """The I/O benchmark runs end to end on a small size and reports every figure."""
 
+import argparse
+
 import pytest
 
 from zinfjax.benchmarks.io import main, parse_size, run_io_bench
@@ -9,7 +11,7 @@ def test_parse_size():
     assert parse_size("2GiB") == 2 << 30
     assert parse_size("512MiB") == 512 << 20
     assert parse_size("1e6") == 10**6
-    with pytest.raises(ValueError, match="not a size"):
+    with pytest.raises(argparse.ArgumentTypeError, match="not a byte size"):
         parse_size("lots")
 
 

@@ -180,6 +180,7 @@ def test_disk_full_during_a_write_says_bytes_needed_and_keeps_old_layers(small_t
         with pytest.raises(StoreSpaceError, match=r"needs \d+ bytes") as e:
             store.write(1, {"w": np.ones((rows, 1024), np.float32)}).result()
         assert str(rows * 1024 * 4 + 4) in str(e.value)
+        assert not [f for _, _, fs in os.walk(small_tmpfs / "params") for f in fs if f.endswith(".tmp")]
         np.testing.assert_array_equal(store.read(0).result()["w"], 7.0)
         with pytest.raises(StoreSpaceError):
             store.flush()  # the failed write is reported once more, to whoever flushes

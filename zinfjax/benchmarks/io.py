@@ -17,7 +17,6 @@ import itertools
 import json
 import mmap
 import os
-import re
 import shutil
 import threading
 import time
@@ -25,38 +24,24 @@ import time
 import jax
 import numpy as np
 
-from zinfjax.store import BufferPool, Prefetcher, open_store
+from zinfjax.errors import ConfigError
+from zinfjax.store import BufferPool, Prefetcher, open_store, staging_bytes
+from zinfjax.units import parse_bytes
 
 MiB = 1 << 20
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1000,
-    "kib": 1 << 10,
-    "m": MiB,
-    "mb": 10**6,
-    "mib": MiB,
-    "g": 1 << 30,
-    "gb": 10**9,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tb": 10**12,
-    "tib": 1 << 40,
-}
 
 
 def parse_size(text: str) -> int:
-    """Bytes in a size such as "2GiB", "512MiB", "1e9" or "4096".
+    """`parse_bytes` for argparse: "2GiB", "512MiB", "1e9" or "4096" in bytes.
 
     Example:
         >>> parse_size("2GiB")
         2147483648
     """
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r}; write e.g. 2GiB, 512MiB or 1073741824")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    try:
+        return parse_bytes(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def drop_page_cache() -> bool:
@@ -134,7 +119,7 @@ def store_io(
     layers = max(1, nbytes // (rows * 4096))
     like = {"w": jax.ShapeDtypeStruct((layers, rows, 4096), np.uint8)}
     layer = {"w": np.random.default_rng(0).integers(0, 256, (rows, 4096), dtype=np.uint8)}
-    pool = BufferPool((depth + 1) * rows * 4096)
+    pool = BufferPool((depth + 1) * staging_bytes(like))
     shutil.rmtree(os.path.join(directory, "bench"), ignore_errors=True)
     store = open_store("nvme", like, path=directory, name="bench", pool=pool, **options)
     try:
@@ -174,9 +159,13 @@ def run_io_bench(
     depth: int = 8,
     raw_depth: int = 16,
     cold: bool = True,
+    rounds: int = 1,
     **options,
 ) -> dict:
     """Runs the store and the raw-disk measurements on one filesystem and returns their ratio.
+
+    With several `rounds`, each round measures raw then store, the ratios are taken within each
+    round (the disk's speed drifts between rounds), and the reported figures are the medians.
 
     Args:
         directory: a directory on the filesystem under test.
@@ -185,25 +174,40 @@ def run_io_bench(
         depth: reads kept in flight by the prefetcher, and writes the buffer pool admits.
         raw_depth: requests in flight for the raw O_DIRECT baseline.
         cold: drop the page cache before the store reads (needs root).
-        **options: nvme tier options (file_io_concurrency, file_io_sync, read_threads, ...).
+        rounds: how many (raw, store) pairs to measure.
+        **options: nvme tier options (chunk_io, file_io_sync, read_threads, ...).
 
     Example:
         >>> run_io_bench("/mnt/nvme/bench", 2 << 30)["read_ratio"]  # doctest: +SKIP
         0.93
     """
     os.makedirs(directory, exist_ok=True)
+    per_round = [_one_round(directory, nbytes, chunk_bytes, depth, raw_depth, cold, options) for _ in range(rounds)]
+    summary = {key: round(float(np.median([r[key] for r in per_round])), 4) for key in _FIGURES}
+    return {
+        **summary,
+        **{k: v for k, v in per_round[-1].items() if k not in _FIGURES},
+        "rounds": per_round if rounds > 1 else None,
+        "statistic": f"median of {rounds} rounds (ratios within each round)" if rounds > 1 else "one round",
+        "bytes": nbytes,
+        "chunk_bytes": chunk_bytes,
+        "prefetch_depth": depth,
+        "raw": f"O_DIRECT, 1 MiB blocks, {raw_depth} in flight, fsync at end",
+        "store_durability": "fsync per chunk (file_io_sync) + syncfs before the clock stops",
+        "options": options,
+    }
+
+
+_FIGURES = ("store_write_GBps", "store_read_GBps", "raw_write_GBps", "raw_read_GBps", "read_ratio", "write_ratio")
+
+
+def _one_round(directory, nbytes, chunk_bytes, depth, raw_depth, cold, options) -> dict:
     raw = raw_direct_io(os.path.join(directory, "raw.bin"), nbytes, depth=raw_depth)
     store = store_io(directory, nbytes, chunk_bytes, depth, cold, **options)
     return {
         **{k: round(v, 4) if isinstance(v, float) else v for k, v in {**store, **raw}.items()},
         "read_ratio": round(store["store_read_GBps"] / raw["raw_read_GBps"], 4),
         "write_ratio": round(store["store_write_GBps"] / raw["raw_write_GBps"], 4),
-        "bytes": nbytes,
-        "chunk_bytes": chunk_bytes,
-        "prefetch_depth": depth,
-        "raw": f"O_DIRECT, 1 MiB blocks, {raw_depth} in flight, fsync at end",
-        "store_durability": "file_io_sync (fsync per chunk) + syncfs before the clock stops",
-        "options": options,
     }
 
 
@@ -214,18 +218,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bytes", default="2GiB", type=parse_size, help="bytes to move, e.g. 2GiB")
     parser.add_argument("--chunk-bytes", default="64MiB", type=parse_size, help="bytes per layer chunk")
     parser.add_argument("--depth", default=8, type=int, help="prefetch depth / writes in flight")
+    parser.add_argument("--rounds", default=3, type=int, help="(raw, store) pairs measured; figures are medians")
     parser.add_argument("--file-io-concurrency", default=32, type=int)
     parser.add_argument("--read-threads", default=8, type=int)
     parser.add_argument("--write-threads", default=8, type=int)
+    parser.add_argument(
+        "--chunk-io",
+        default="direct",
+        choices=["direct", "tensorstore"],
+        help="direct: the tier's own O_DIRECT chunk I/O (default); tensorstore: tensorstore's read/write path",
+    )
     args = parser.parse_args(argv)
     result = run_io_bench(
         args.dir,
         args.bytes,
         chunk_bytes=args.chunk_bytes,
         depth=args.depth,
+        rounds=args.rounds,
         file_io_concurrency=args.file_io_concurrency,
         read_threads=args.read_threads,
         write_threads=args.write_threads,
+        chunk_io=args.chunk_io,
     )
     print(json.dumps(result))
     return 0

@@ -18,7 +18,7 @@ from zinfjax.store.errors import (
     StorePathError,
     StoreSpaceError,
 )
-from zinfjax.store.factory import TIERS, open_store
+from zinfjax.store.factory import TIERS, open_store, staging_bytes
 from zinfjax.store.layout import layer_sharding, stacked_sharding
 from zinfjax.store.pool import BufferPool, HostBuffer
 from zinfjax.store.prefetch import Prefetcher, ReadRecord
@@ -42,4 +42,5 @@ __all__ = [
     "layer_sharding",
     "open_store",
     "stacked_sharding",
+    "staging_bytes",
 ]

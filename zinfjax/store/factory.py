@@ -7,6 +7,7 @@ import os
 import jax
 
 from zinfjax.store.base import LayerStore
+from zinfjax.store.chunkfile import slot_bytes
 from zinfjax.store.errors import StoreError
 from zinfjax.store.layout import leaf_layout, leaf_names
 from zinfjax.store.memory import DeviceStore, HostStore
@@ -66,6 +67,22 @@ def open_store(
             raise StoreError("the nvme tier needs a path (nvme_path)")
         return NvmeStore(like, layouts, os.path.join(path, name), pool, create=create, **nvme_options)
     raise StoreError(f"unknown tier {tier!r}; choose one of {TIERS}")
+
+
+def staging_bytes(like, mesh_sharding=None) -> int:
+    """Host buffer bytes the nvme tier stages one layer of `like` through (a read or a write).
+
+    This is the least `host_buffer_bytes` that can hold a layer: each chunk's bytes and checksum,
+    padded to the direct-I/O block.
+
+    Example:
+        >>> staging_bytes({"w": jax.ShapeDtypeStruct((4, 1000), jnp.float32)})
+        4096
+    """
+    layouts = _layouts(like, mesh_sharding)
+    reads = sum(slot_bytes(lay.shard_nbytes) for lay in layouts for s in lay.shards if s.devices)
+    writes = sum(slot_bytes(lay.shard_nbytes) for lay in layouts for s in lay.shards if s.writer)
+    return max(reads, writes)
 
 
 def _layouts(like, mesh_sharding):
