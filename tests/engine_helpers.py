@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 from zinfjax import Config, models
 from zinfjax.data import Batches, load_tokens
 from zinfjax.engine import Engine
+from zinfjax.engine.memory import zero_formula
+from zinfjax.engine.stores import GROUPS, opt_like
 from zinfjax.optim import make_optimizer
 from zinfjax.reference import init_state, make_step
-from zinfjax.sharding import make_mesh
+from zinfjax.sharding import make_mesh, replicated
 
 STEPS = 20
 BASE = dict(model="gpt2-tiny", batch_size=8, seq_len=16, lr=1e-3, mesh="data:4")
@@ -40,7 +45,8 @@ def reference_run(c: Config, steps: int = STEPS):
     """Losses and final params of the in-memory reference trainer."""
     model = models.build(c.model)
     mesh = make_mesh(c.mesh_axes())
-    params, opt = init_state(model, _tx(c), mesh, c.seed, c.seq_len)
+    params = initial_params(c)
+    opt = jax.jit(_tx(c).init, out_shardings=replicated(mesh))(params)
     step = make_step(model.layers(), _tx(c), mesh, c.grad_accum)
     data, losses = batches(c), []
     for _ in range(steps):
@@ -49,18 +55,29 @@ def reference_run(c: Config, steps: int = STEPS):
     return losses, jax.tree.map(np.asarray, params)
 
 
+@functools.cache
+def _host_params(model: str, seed: int, seq_len: int):
+    """Initial params on the host, computed once per model and seed (as `init_state` computes them)."""
+    params, _ = init_state(models.build(model), optax.identity(), make_mesh({"data": 1}), seed, seq_len)
+    return jax.tree.map(np.asarray, params)
+
+
 def initial_params(c: Config):
+    """The initial params of ``c``, replicated on its mesh."""
+    return jax.device_put(_host_params(c.model, c.seed, c.seq_len), replicated(make_mesh(c.mesh_axes())))
+
+
+def make_engine(c: Config, **kw) -> Engine:
+    """An engine for ``c``, filled with the same initial params as the reference."""
     model = models.build(c.model)
-    mesh = make_mesh(c.mesh_axes())
-    return init_state(model, _tx(c), mesh, c.seed, c.seq_len)[0]
+    engine_tx = _tx(c.replace(grad_clip=0.0))  # the engine clips from Config.grad_clip itself
+    return Engine(model.layers(), initial_params(c), engine_tx, c, make_mesh(c.mesh_axes()),
+                  (c.batch_size, c.seq_len + 1), **kw)
 
 
 def engine_run(c: Config, steps: int = STEPS):
     """Losses, final params and per-step metrics of the engine."""
-    model = models.build(c.model)
-    engine_tx = _tx(c.replace(grad_clip=0.0))  # the engine clips from Config.grad_clip itself
-    engine = Engine(model.layers(), initial_params(c), engine_tx, c, make_mesh(c.mesh_axes()),
-                    (c.batch_size, c.seq_len + 1))
+    engine = make_engine(c)
     try:
         data, losses, metrics = batches(c), [], []
         for _ in range(steps):
@@ -91,3 +108,36 @@ def relative_error(a, b) -> float:
 def assert_bitwise(a, b) -> None:
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+# ---- ZeRO's memory formulas, computed from the parameter shapes and the documented threshold rule ----
+
+
+def _psi_split(leaves, n: int, threshold: int):
+    """(Ψ sharded, Ψ replicated): leaves below the threshold, or with no divisible dimension, stay whole."""
+    sharded = whole = 0
+    for x in leaves:
+        size = math.prod(x.shape)
+        if size >= threshold and any(d % n == 0 for d in x.shape):
+            sharded += size
+        else:
+            whole += size
+    return sharded, whole
+
+
+def _per_layer(abstract):
+    """Per-layer leaves (blocks lose the layer axis) repeated per layer, so the rule sees each layer's shape."""
+    out = []
+    for g in GROUPS:
+        for x in jax.tree.leaves(abstract[g]):
+            layers, shape = (x.shape[0], x.shape[1:]) if g == "blocks" else (1, x.shape)
+            out += [jax.ShapeDtypeStruct(shape, x.dtype)] * layers
+    return out
+
+
+def expected_state_bytes(abstract, tx, stage: int, n: int, p: int, g: int, k: int, threshold: int) -> float:
+    """ZeRO's formula on the sharded parameters, plus the replicated remainder and the optimizer step counts."""
+    psi_s, psi_r = _psi_split(_per_layer(abstract), n, threshold)
+    counts = sum(x.size * x.dtype.itemsize for like in opt_like(tx, abstract).values() for x in jax.tree.leaves(like)
+                 if not jnp.issubdtype(x.dtype, jnp.floating))
+    return zero_formula(stage, psi_s, n, p, g, k) + (p + g + k) * psi_r + counts

@@ -59,11 +59,6 @@ def test_a_transformation_that_is_not_elementwise_is_refused(tmp_path):
         make_engine(config(), tx)
 
 
-def test_stages_beyond_0_are_refused_until_sharding_lands():
-    with pytest.raises(zinfjax.ConfigError, match="stage=0"):
-        make_engine(config(stage=2))
-
-
 class Unlayered(nn.Module):
     @nn.compact
     def __call__(self, x):

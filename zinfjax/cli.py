@@ -49,14 +49,50 @@ def add_train(sub) -> None:
 
 def _train(args) -> int:
     from zinfjax.config import Config
+    from zinfjax.distributed import is_main_process
     from zinfjax.train import run
 
     config = Config.load(args.config, args.overrides)
     log = run(config, progress=not args.quiet, trace=args.trace)
+    if not is_main_process():
+        return 0
     first, last = log["steps"][0]["loss"], log["steps"][-1]["loss"]
     print(f"trained {len(log['steps'])} steps: loss {first:.4f} -> {last:.4f}"
           + (f"; log {config.log}" if config.log else ""))
     return 0
+
+
+def add_launch(sub) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="run a command as N processes joined by jax.distributed (CPU: gloo on localhost)",
+        description="Start N copies of COMMAND on this machine, each told its rank, the process count and the "
+        "coordinator address through ZINFJAX_* environment variables (see docs/sharding.md). Output is "
+        "prefixed [rank i]. If any process fails, the others are stopped and launch exits with its code.",
+        epilog="examples:\n  zinfjax launch -n 2 -- zinfjax train run.yaml\n"
+        "  zinfjax launch -n 2 --devices-per-process 4 -- zinfjax train --set params=nvme --set nvme_path=/tmp/nv",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-n", "--nproc", type=int, required=True, metavar="N", help="number of processes")
+    p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--devices-per-process", type=int, metavar="K",
+                   help="simulated CPU devices per process (default: the XLA_FLAGS of the environment)")
+    p.add_argument("--connect-timeout", type=int, default=60, metavar="S",
+                   help="seconds each process waits for all peers to connect (default: 60)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+    p.set_defaults(func=_launch)
+
+
+def _launch(args) -> int:
+    from zinfjax.launch import LaunchError, launch
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        return launch(command, args.nproc, port=args.port, devices_per_process=args.devices_per_process,
+                      connect_timeout=args.connect_timeout)
+    except LaunchError as err:
+        print(f"zinfjax: error: {err}", file=sys.stderr)
+        return err.exit_code
 
 
 def add_bench(sub) -> None:
@@ -82,6 +118,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     add_train(sub)
     add_bench(sub)
+    add_launch(sub)
     return p
 
 
@@ -92,13 +129,23 @@ def main(argv: list[str] | None = None) -> int:
         parser().print_help()
         return 2
     try:
-        return args.func(args)
+        code = args.func(args)
     except UserError as err:
         print(f"zinfjax: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         print("zinfjax: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    if code:
+        _exit_now_if_distributed(code)
+    return code
+
+
+def _exit_now_if_distributed(code: int) -> None:
+    """A failed process of a multi-process run leaves at once: its peers may wait for it in a collective."""
+    distributed = sys.modules.get("zinfjax.distributed")
+    if distributed is not None and distributed.jax.distributed.is_initialized():
+        distributed.exit_now(code)
 
 
 if __name__ == "__main__":

@@ -99,11 +99,17 @@ class Batches:
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
         self.seed, self.position = seed, position
 
-    def batch(self, n: int) -> np.ndarray:
-        """Batch number ``n``, as int32 of shape (batch_size, seq_len + 1)."""
+    def batch(self, n: int, rows: slice = slice(None)) -> np.ndarray:
+        """Batch number ``n``, as int32 of shape (batch_size, seq_len + 1); or only its ``rows``.
+
+        A process of a multi-process run reads only the rows its devices hold.
+        """
         rng = np.random.default_rng([self.seed, n])
-        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
-        return np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int32)
+        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)[rows]
+        out = np.empty((len(starts), self.seq_len + 1), np.int32)
+        for row, s in enumerate(starts):
+            out[row] = self.tokens[s : s + self.seq_len + 1]
+        return out
 
     def __iter__(self):
         return self

@@ -1,5 +1,9 @@
 """The training loop behind ``zinfjax train``: data, steps, progress bar, JSON log and loss curve.
 
+Under `zinfjax launch` it runs as one of several processes (docs/sharding.md): each builds its
+rows of every batch, streams its state through its own ``nvme_path/process_<i>``, and process 0
+alone writes the log and shows progress.
+
 Example:
     >>> log = run(Config(model="gpt2-tiny", steps=50, log="runs/demo.json"))
     >>> log["steps"][-1]["loss"] < log["steps"][0]["loss"]
@@ -19,6 +23,7 @@ from tqdm import tqdm
 from zinfjax import models
 from zinfjax.config import TIER_KEYS, Config
 from zinfjax.data import Batches, check_vocab, load_tokens
+from zinfjax.distributed import initialize_from_env, is_main_process, process_nvme_path
 from zinfjax.engine import Engine
 from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.optim import make_optimizer
@@ -37,6 +42,9 @@ class ReferenceTrainer:
         self.params, self.opt_state = init_state(model, self.tx, mesh, config.seed, config.seq_len)
         self._step = make_step(model.layers(), self.tx, mesh, config.grad_accum)
 
+    def next_batch(self, batches: Batches) -> jax.Array:
+        return global_batch(batches, batch_sharding(self.mesh))
+
     def step(self, batch) -> dict:
         batch = jax.device_put(batch, batch_sharding(self.mesh))
         self.params, self.opt_state, loss = self._step(self.params, self.opt_state, batch)
@@ -51,11 +59,29 @@ class EngineTrainer:
         tx = make_optimizer(config.replace(grad_clip=0.0))  # the engine clips from config.grad_clip itself
         self.engine = Engine(model.layers(), params, tx, config, mesh, (config.batch_size, config.seq_len + 1))
 
+    def next_batch(self, batches: Batches):
+        # The engine places a host batch itself; every process builds the same one, as batch n
+        # depends only on (seed, n).
+        return next(batches)
+
     def step(self, batch) -> dict:
         return self.engine.train_step(batch)
 
     def close(self) -> None:
         self.engine.close()
+
+
+def global_batch(batches: Batches, sharding) -> jax.Array:
+    """The next batch as one global array; each process reads only the rows its devices hold.
+
+    Example:
+        >>> global_batch(Batches(tokens, 8, 64), batch_sharding(mesh)).shape
+        (8, 65)
+    """
+    n = batches.position
+    batches.position += 1
+    shape = (batches.batch_size, batches.seq_len + 1)
+    return jax.make_array_from_callback(shape, sharding, lambda index: batches.batch(n, index[0])[:, index[1]])
 
 
 def uses_engine(config: Config) -> bool:
@@ -78,18 +104,23 @@ def build_trainer(config: Config):
 
 
 def run(config: Config, progress: bool = True, trace: str | None = None) -> dict:
-    """Trains for ``config.steps`` steps; writes the JSON log and loss curve when ``config.log`` is set."""
-    model, trainer = build_trainer(config)
-    tracer = _attach_tracer(trainer, trace)
+    """Trains for ``config.steps`` steps; writes the JSON log and loss curve when ``config.log`` is set.
+
+    Started by `zinfjax launch`, it first joins the other processes (`initialize_from_env`).
+    """
+    initialize_from_env()
+    main = is_main_process()
+    model, trainer = build_trainer(config.replace(nvme_path=process_nvme_path(config.nvme_path)))
+    tracer = _attach_tracer(trainer, trace if main else None)
     tokens = load_tokens(config.data)
     check_vocab(tokens, model.config.vocab_size, config.data)
     batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
-    log = {"config": config.to_dict(), "steps": []}
-    bar = tqdm(range(1, config.steps + 1), disable=not progress, unit="step", dynamic_ncols=True)
+    log = {"config": config.to_dict(), "processes": jax.process_count(), "devices": jax.device_count(), "steps": []}
+    bar = tqdm(range(1, config.steps + 1), disable=not (progress and main), unit="step", dynamic_ncols=True)
     try:
         for step in bar:
             start = time.perf_counter()
-            metrics = trainer.step(next(batches))
+            metrics = trainer.step(trainer.next_batch(batches))
             seconds = time.perf_counter() - start
             record = {"step": step, **metrics, "tokens_per_s": config.batch_size * config.seq_len / seconds}
             log["steps"].append(record)
@@ -99,7 +130,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
             tracer.detach()
             tracer.save(trace)
         getattr(trainer, "close", lambda: None)()
-    if config.log:
+    if config.log and main:
         write_log(log, config.log)
     return log
 

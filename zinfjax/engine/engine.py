@@ -6,6 +6,11 @@ parameters, activation and optimizer state ahead, recomputes each layer inside i
 and hands the layer's gradient to the optimizer at once. When the step needs every
 gradient first (global-norm clipping, fp16 overflow checks) gradients are spooled to the
 gradient tier and applied in a second sweep. See DESIGN.md, "The one idea".
+
+ZeRO stages 0-3 and tensor parallelism are sharding rules (zinfjax/sharding.py): every store
+holds its leaves in their kind's layout, the layer functions gather parameters and scatter
+gradients inside their jitted bodies, and each update runs on the optimizer state's shards.
+See docs/sharding.md.
 """
 
 from __future__ import annotations
@@ -22,15 +27,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zinfjax.config import Config
-from zinfjax.engine.functions import make_layer_functions
+from zinfjax.engine.functions import Layout, make_layer_functions
 from zinfjax.engine.readahead import Read, ReadAhead
-from zinfjax.engine.stores import GROUPS, build_stores, plan_stores
+from zinfjax.engine.stores import GROUPS, build_stores, opt_like, plan_stores
 from zinfjax.engine.telemetry import StepTelemetry
 from zinfjax.engine.update import check_elementwise, make_update, spool_grads
-from zinfjax.errors import ConfigError
 from zinfjax.models.layered import Layers, check_params
 from zinfjax.reference import micro_batches
-from zinfjax.sharding import check_batch
+from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, check_batch
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 WRITES_PER_LAYER = 4  # the most one layer's step issues: params, opt, master, and acts or grads
@@ -60,16 +64,17 @@ class LossScale:
 class Engine:
     """Trains a layered model with its state on the tiers of ``config``.
 
+    ``config.stage`` shards the state over the mesh axis ``data``; a ``model`` axis splits it
+    by ``layers.partition_rules``. Leaves with fewer than ``persistence_threshold`` elements
+    stay whole on every device (see zinfjax/sharding.py).
+
     Example:
         >>> engine = Engine(model.layers(), params, optax.adamw(1e-3), config, mesh, batch_shape=(8, 65))
         >>> metrics = engine.train_step(batch)
     """
 
     def __init__(self, layers: Layers, params, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
-                 batch_shape: tuple[int, int]):
-        if config.stage > 0:
-            raise ConfigError(f"stage={config.stage}: this version streams stage 0 (replicated state) only; "
-                              "set stage=0")
+                 batch_shape: tuple[int, int], persistence_threshold: int = PERSISTENCE_THRESHOLD):
         check_elementwise(tx)
         source = params if isinstance(params, ParamSource) else ParamSource.from_tree(params)
         self.num_layers = check_params(source.abstract)
@@ -78,16 +83,19 @@ class Engine:
         self.compute_dtype = COMPUTE_DTYPES[config.precision]
         self.spool = config.grad_clip > 0 or config.precision == "fp16"
         self.loss_scale = LossScale(config.precision == "fp16")
-        self.fns = make_layer_functions(layers)
-        self.update = make_update(tx, self.compute_dtype)
+        self.rules = ShardingRules.for_mesh(mesh, config.stage, layers.partition_rules, persistence_threshold)
+        self.fns = make_layer_functions(layers, Layout(self.rules.canonical(["grads"]), mesh))
+        update_layout = Layout(self.rules.canonical(["params", "opt", "master"]), mesh)
+        self.updates = {g: make_update(tx, self.compute_dtype, update_layout, g) for g in GROUPS}
         self.step_count = 0
         self.tracer = None  # a zinfjax.engine.trace.Tracer while one is attached
         self._writes: collections.deque = collections.deque()  # writes in flight, oldest first
         self._max_writes = WRITES_PER_LAYER * (config.prefetch_depth + 1)
         self._sumsq_parts: list = []
+        self._telemetry: StepTelemetry | None = None  # the step in progress
         self.data_sharding = NamedSharding(mesh, P(None, "data"))
         abstract = source.abstract
-        plan = plan_stores(config, mesh, abstract, self._opt_like(abstract),
+        plan = plan_stores(config, mesh, self.rules, abstract, self._opt_like(abstract),
                            self._act_like(abstract, batch_shape), self.spool, self.compute_dtype)
         self.stores = build_stores(config, plan)
         try:
@@ -99,11 +107,7 @@ class Engine:
     # ---- set-up ------------------------------------------------------------------------------
 
     def _opt_like(self, abstract):
-        def f32(tree):
-            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), tree)
-
-        return {g: jax.eval_shape(jax.vmap(self.tx.init) if g == "blocks" else self.tx.init, f32(abstract[g]))
-                for g in GROUPS}
+        return opt_like(self.tx, abstract)
 
     def _act_like(self, params, batch_shape):
         """The activation checkpoint of one step: (L, micro-batches, rows, T, D) in what embed returns."""
@@ -125,19 +129,15 @@ class Engine:
                     self._write("fill", store, i, tree)
             self.stores.flush()
 
-    @functools.cached_property
+    @property
     def _init_layer(self):
-        def init(layer):
-            master = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), layer)
-            return jax.tree.map(lambda x: x.astype(self.compute_dtype), master), master, self.tx.init(master)
-
-        return jax.jit(init)
+        return _make_init(self.tx, self.compute_dtype)
 
     # ---- the step ----------------------------------------------------------------------------
 
     def train_step(self, batch) -> dict:
         """One optimizer step on ``batch`` (B, T+1); returns the step's metrics."""
-        telemetry = StepTelemetry(self.stores.all(), self.tracer)
+        telemetry = self._telemetry = StepTelemetry(self.stores.all(), self.tracer)
         tokens = jax.device_put(micro_batches(np.asarray(batch), self.config.grad_accum), self.data_sharding)
         x, y = tokens[:, :, :-1], tokens[:, :, 1:]
         written: set[int] = set()
@@ -170,6 +170,7 @@ class Engine:
         loss = float(loss)
         self.stores.flush()
         self.step_count += 0 if skipped else 1
+        self._telemetry = None
         return telemetry.finish(loss=loss, skipped=skipped, loss_scale=self.loss_scale.value)
 
     def _schedule(self, written: set[int]) -> list[list[Read]]:
@@ -205,7 +206,7 @@ class Engine:
 
     def _apply(self, group, i, master, grads, opt, g_norm, max_norm, grad_div) -> None:
         name = "update" if group == "blocks" else f"update_{group}"
-        compute, master, opt = self._run(name, i, self.update, master, grads, opt, g_norm, max_norm, grad_div)
+        compute, master, opt = self._run(name, i, self.updates[group], master, grads, opt, g_norm, max_norm, grad_div)
         self._write(f"params_{group}", self.stores.params[group], i, compute)
         self._write(f"opt_{group}", self.stores.opt[group], i, opt)
         if self.stores.master:
@@ -223,6 +224,8 @@ class Engine:
     def _write(self, track: str, store, i: int, tree) -> None:
         t0 = time.perf_counter()
         future = store.write(i, tree)
+        if self._telemetry is not None:
+            self._telemetry.add_write(store)
         if self.tracer is not None:
             self.tracer.write(track, i, t0, future)
         # A write holds its layer in memory until it lands; without a bound, a disk slower than
@@ -267,6 +270,17 @@ class Engine:
 
     def close(self) -> None:
         self.stores.close()
+
+
+@functools.lru_cache(maxsize=32)
+def _make_init(tx: optax.GradientTransformation, compute_dtype):
+    """A jitted ``init(layer) -> (compute, master, opt_state)`` (cached, so engines share its compiles)."""
+
+    def init(layer):
+        master = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), layer)
+        return jax.tree.map(lambda x: x.astype(compute_dtype), master), master, tx.init(master)
+
+    return jax.jit(init)
 
 
 def _abstract(tree):

@@ -7,6 +7,13 @@ are read once per step however many micro-batches there are.
 
 Backward functions recompute their layer inside the VJP (activation checkpointing at
 layer boundaries) and return gradients averaged over micro-batches, as the reference does.
+
+Sharding (zinfjax/sharding.py): parameters arrive as their store holds them. Each function
+first constrains them to the compute layout (whole over ``data``, split over ``model``), so
+under stage 3 the all-gather happens here, just in time, inside the jitted function. Gradients
+leave in the stage's gradient layout: split over ``data`` from stage 2 on, so XLA
+reduce-scatters them instead of all-reducing. Activations are split over ``data`` on their
+batch rows and whole over ``model``.
 """
 
 from __future__ import annotations
@@ -16,8 +23,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zinfjax.models.layered import Layers
+from zinfjax.sharding import ShardingRules
 
 
 def _mean0(tree):
@@ -34,22 +44,50 @@ class LayerFunctions(NamedTuple):
     embed_bwd: callable  # (p_embed, x, dh) -> g_embed
 
 
-@functools.lru_cache(maxsize=32)
-def make_layer_functions(layers: Layers) -> LayerFunctions:
-    """Builds the jitted per-layer functions of a layered model (cached per `Layers`, so engines share compiles).
+class Layout(NamedTuple):
+    """Where the layer functions put their inputs and outputs (hashable, so compiles are shared)."""
+
+    rules: ShardingRules
+    mesh: Mesh
+
+    def gather(self, tree, group: str):
+        """Parameters in the compute layout: all-gathered over ``data``, still split over ``model``."""
+        return self._constrain(tree, self.rules.compute(), "params", group)
+
+    def grads(self, tree, group: str):
+        """Gradients in the stage's gradient layout."""
+        return self._constrain(tree, self.rules, "grads", group)
+
+    def rows(self, x):
+        """An activation ``(A, b, ...)`` split over ``data`` on its rows ``b``."""
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(None, "data")))
+
+    def _constrain(self, tree, rules: ShardingRules, kind: str, group: str):
+        return jax.lax.with_sharding_constraint(tree, rules.shardings(self.mesh, kind, group, tree))
+
+
+@functools.lru_cache(maxsize=64)
+def make_layer_functions(layers: Layers, layout: Layout) -> LayerFunctions:
+    """Builds the jitted per-layer functions of a layered model (cached, so engines share compiles).
 
     Example:
-        >>> fns = make_layer_functions(model.layers())
+        >>> layout = Layout(ShardingRules.for_mesh(mesh, stage=3), mesh)
+        >>> fns = make_layer_functions(model.layers(), layout)
         >>> h = fns.embed_fwd(p_embed, tokens[None])
     """
+    rows = layout.rows
 
     def embed_fwd(p, x):
-        return jax.lax.map(lambda xa: layers.embed(p, xa), x)
+        p = layout.gather(p, "embed")
+        return rows(jax.lax.map(lambda xa: layers.embed(p, xa), x))
 
     def block_fwd(p, h):
-        return jax.lax.map(lambda ha: layers.block(p, ha), h)
+        p = layout.gather(p, "blocks")
+        return rows(jax.lax.map(lambda ha: layers.block(p, ha), h))
 
     def head_fwd_bwd(ph, pe, h, y, scale):
+        ph, pe = layout.gather(ph, "head"), layout.gather(pe, "embed")
+
         def one(args):
             ha, ya = args
             loss, vjp = jax.vjp(lambda a, b, c: layers.head(a, b, c, ya), ph, pe, ha)
@@ -57,9 +95,11 @@ def make_layer_functions(layers: Layers) -> LayerFunctions:
             return loss, dh, g_head, g_embed
 
         losses, dh, g_head, g_embed = jax.lax.map(one, (h, y))
-        return jnp.mean(losses), dh, _mean0(g_head), _mean0(g_embed)
+        return jnp.mean(losses), rows(dh), layout.grads(_mean0(g_head), "head"), layout.grads(_mean0(g_embed), "embed")
 
     def block_bwd(p, h, dh):
+        p = layout.gather(p, "blocks")
+
         def one(args):
             ha, da = args
             _, vjp = jax.vjp(layers.block, p, ha)
@@ -67,15 +107,17 @@ def make_layer_functions(layers: Layers) -> LayerFunctions:
             return dh_in, g
 
         dh_in, g = jax.lax.map(one, (h, dh))
-        return dh_in, _mean0(g)
+        return rows(dh_in), layout.grads(_mean0(g), "blocks")
 
     def embed_bwd(p, x, dh):
+        p = layout.gather(p, "embed")
+
         def one(args):
             xa, da = args
             _, vjp = jax.vjp(lambda q: layers.embed(q, xa), p)
             return vjp(da)[0]
 
-        return _mean0(jax.lax.map(one, (x, dh)))
+        return layout.grads(_mean0(jax.lax.map(one, (x, dh))), "embed")
 
     return LayerFunctions(
         embed_fwd=jax.jit(embed_fwd),

@@ -4,6 +4,9 @@ Kinds: ``params`` (compute copy), ``master`` (fp32 master weights, only under mi
 precision), ``opt`` (optax state), ``grads`` (spooled gradients, only when the step needs
 every gradient before updating) and ``acts`` (layer-boundary activation checkpoints).
 Groups: ``embed`` and ``head`` are stores of one layer, ``blocks`` of L layers.
+
+Every leaf carries the sharding its kind has at the config's stage (zinfjax/sharding.py), so
+a tier holds, reads and writes each device's own shard of each layer.
 """
 
 from __future__ import annotations
@@ -16,21 +19,52 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zinfjax.config import Config
-from zinfjax.store import BufferPool, LayerStore, open_store
+from zinfjax.sharding import ShardingRules
+from zinfjax.store import BufferPool, LayerStore, open_store, staging_bytes
 from zinfjax.store.disk import check_free_space, prepare_directory
 from zinfjax.store.errors import BufferBudgetError
 
 GROUPS = ("embed", "blocks", "head")
 
 
-def stacked_like(tree, group: str, sharding):
-    """Abstract stacked leaves: ``embed`` and ``head`` gain a layer axis of 1."""
+def stacked_like(tree, group: str, shardings):
+    """Abstract stacked leaves with a tree of stacked ``shardings``: ``embed`` and ``head`` gain a layer axis of 1."""
 
-    def one(x):
+    def one(x, sharding):
         shape = x.shape if group == "blocks" else (1, *x.shape)
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
 
-    return jax.tree.map(one, tree)
+    return jax.tree.map(one, tree, shardings)
+
+
+def opt_like(tx, abstract):
+    """The abstract optax state of each group of fp32 ``abstract`` params; ``blocks`` state is stacked per layer.
+
+    Example:
+        >>> opt_like(optax.adamw(1e-3), abstract)["blocks"][0].mu["fc"]["kernel"].shape
+        (4, 64, 256)
+    """
+    def f32(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), tree)
+
+    return {g: jax.eval_shape(jax.vmap(tx.init) if g == "blocks" else tx.init, f32(abstract[g])) for g in GROUPS}
+
+
+def layer_like(tree, group: str):
+    """One layer of an abstract group: ``blocks`` leaves lose their layer axis."""
+    if group != "blocks":
+        return tree
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
+
+
+def stacked_shardings(rules: ShardingRules, mesh: Mesh, kind: str, group: str, tree):
+    """The stacked sharding of each leaf of ``tree`` (a whole group): its layer spec after an unsharded layer axis.
+
+    Example:
+        >>> stacked_shardings(ShardingRules(stage=3, data=8), mesh, "params", "blocks", abstract["blocks"])
+    """
+    specs = rules.specs(kind, group, layer_like(tree, group))
+    return jax.tree.map(lambda s: NamedSharding(mesh, P(None, *s)), specs, is_leaf=lambda s: isinstance(s, P))
 
 
 def unstack(tree, group: str):
@@ -62,10 +96,13 @@ class EngineStores:
             store.close()
 
 
-def plan_stores(config: Config, mesh: Mesh, params_like, opt_like, act_like, spool: bool,
+def plan_stores(config: Config, mesh: Mesh, rules: ShardingRules, params_like, opt_like, act_like, spool: bool,
                 compute_dtype) -> list[tuple[str, str, str, object]]:
-    """Every store as ``(kind, group, tier, stacked abstract tree)``, before anything is opened."""
-    rep = NamedSharding(mesh, P())
+    """Every store as ``(kind, group, tier, stacked abstract tree)``, before anything is opened.
+
+    Each leaf carries its kind's sharding under ``rules``; a tensor-parallel split that does
+    not divide is refused here, before any store is opened.
+    """
     mixed = compute_dtype != jnp.float32
 
     def cast(tree, dtype):
@@ -76,7 +113,7 @@ def plan_stores(config: Config, mesh: Mesh, params_like, opt_like, act_like, spo
         kinds.append(("master", config.optimizer, params_like, jnp.float32))
     if spool:
         kinds.append(("grads", config.gradients, params_like, jnp.float32))
-    plan = [(kind, g, tier, stacked_like(cast(like[g], dtype), g, rep))
+    plan = [(kind, g, tier, stacked_like(cast(like[g], dtype), g, stacked_shardings(rules, mesh, kind, g, like[g])))
             for kind, tier, like, dtype in kinds for g in GROUPS]
     return [*plan, ("acts", "blocks", config.activations, act_like)]
 
@@ -104,7 +141,7 @@ def preflight(config: Config, plan) -> None:
     on_nvme = [like for _, _, tier, like in plan if tier == "nvme"]
     if not on_nvme:
         return
-    layer = max(_nbytes(like) // jax.tree.leaves(like)[0].shape[0] for like in on_nvme)
+    layer = max(staging_bytes(like) for like in on_nvme)
     if layer > config.host_buffer_bytes:
         raise BufferBudgetError(
             f"host_buffer_bytes={config.host_buffer_bytes} cannot hold one layer: the largest layer needs "

@@ -5,6 +5,11 @@ The metrics of one step (all times in seconds, wall clock of the host thread dri
 - ``loss``: the step's mean loss over its micro-batches.
 - ``read_bytes_<tier>`` / ``write_bytes_<tier>``: bytes the step's stores read from and wrote
   to each tier (``device``, ``host``, ``nvme``), from the stores' own counters.
+- ``read_bytes_<tier>_per_device`` / ``write_bytes_<tier>_per_device``: bytes that the busiest
+  device moved from or to each tier: for every read, the device's own shard of each leaf;
+  for every write, the shards whose first local copy it holds. A replicated leaf costs each
+  device all of it; a leaf split over N devices costs each 1/N: the aggregate bandwidth of
+  ZeRO-Infinity's bandwidth-centric partitioning.
 - ``step_s``: the whole step, until its last write has landed.
 - ``stall_s``: time the step waited for a read it needed next (``future.result()`` in the
   read-ahead). Reads issued ahead that complete before they are needed cost no stall.
@@ -20,7 +25,7 @@ The metrics of one step (all times in seconds, wall clock of the host thread dri
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from zinfjax.engine.readahead import ReadAhead, ReadEvent
 
@@ -34,6 +39,31 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
         total += b - max(a, end)
         end = b
     return total
+
+
+def device_read_bytes(store) -> int:
+    """Bytes one read of a layer brings to the busiest device: its own shard of every leaf.
+
+    Example:
+        >>> device_read_bytes(store)   # a layer of 8 MiB split over 8 devices: 1 MiB
+        1048576
+    """
+    per_device: Counter = Counter()
+    for lay in store.layouts:
+        for shard in lay.shards:
+            for d in shard.devices:
+                per_device[d] += lay.shard_nbytes
+    return max(per_device.values(), default=0)
+
+
+def device_write_bytes(store) -> int:
+    """Bytes one write of a layer costs the busiest device: the shards whose first replica it holds."""
+    per_device: Counter = Counter()
+    for lay in store.layouts:
+        for shard in lay.shards:
+            if shard.writer and shard.devices:
+                per_device[shard.devices[0]] += lay.shard_nbytes
+    return max(per_device.values(), default=0)
 
 
 class StepTelemetry:
@@ -52,12 +82,27 @@ class StepTelemetry:
         self.before = [(s.stats.bytes_read, s.stats.bytes_written) for s in stores]
         self.stall_s = 0.0
         self.events: list[ReadEvent] = []
+        self.per_device: dict[str, int] = defaultdict(int)
+        self._layer_bytes: dict[tuple[int, str], int] = {}
 
     def add_reads(self, reads: ReadAhead) -> None:
         self.stall_s += reads.stall_s
         self.events += reads.events
+        for group in reads.groups:
+            for r in group:
+                self.per_device[f"read_bytes_{r.store.tier}_per_device"] += self._bytes(r.store, "read")
         if self.tracer is not None:
             self.tracer.reads(reads.events)
+
+    def add_write(self, store) -> None:
+        """Counts one layer written to ``store`` by the step."""
+        self.per_device[f"write_bytes_{store.tier}_per_device"] += self._bytes(store, "write")
+
+    def _bytes(self, store, op: str) -> int:
+        key = (id(store), op)
+        if key not in self._layer_bytes:
+            self._layer_bytes[key] = (device_read_bytes if op == "read" else device_write_bytes)(store)
+        return self._layer_bytes[key]
 
     def bytes_by_tier(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
@@ -83,4 +128,5 @@ class StepTelemetry:
             "read_s": io_s,
             "overlap": overlap,
             **self.bytes_by_tier(),
+            **self.per_device,
         }

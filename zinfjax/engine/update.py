@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zinfjax.engine.functions import Layout
 from zinfjax.errors import UserError
 
 
@@ -62,22 +63,36 @@ def check_elementwise(tx: optax.GradientTransformation) -> None:
             )
 
 
-@functools.lru_cache(maxsize=32)
-def make_update(tx: optax.GradientTransformation, compute_dtype) -> callable:
+@functools.lru_cache(maxsize=64)
+def make_update(tx: optax.GradientTransformation, compute_dtype, layout: Layout, group: str) -> callable:
     """A jitted ``update(master, grads, opt_state, g_norm, max_norm, grad_div) -> (compute, master, opt)``.
 
     Gradients are first divided by ``grad_div`` (the fp16 loss scale, else 1), then clipped
     exactly as ``optax.clip_by_global_norm(max_norm)`` would, given the global ``g_norm``
     (``max_norm = inf`` turns clipping off), then passed to ``tx``.
+
+    It runs on the optimizer state's shards (``layout``, for one layer of ``group``): from
+    stage 1 on, each device updates only its slice of the master weights and gradients,
+    and the new compute copy is all-gathered into the parameters' layout on the way out.
+
+    Example:
+        >>> update = make_update(optax.adamw(1e-3), jnp.float32, layout, "blocks")
+        >>> compute, master, opt = update(master, grads, opt, g_norm, jnp.float32(jnp.inf), jnp.float32(1))
     """
+    rules, mesh = layout.rules, layout.mesh
+
+    def place(tree, kind):
+        return jax.lax.with_sharding_constraint(tree, rules.shardings(mesh, kind, group, tree))
 
     def update(master, grads, opt_state, g_norm, max_norm, grad_div):
+        master, grads, opt_state = place(master, "master"), place(grads, "master"), place(opt_state, "opt")
         grads = jax.tree.map(lambda g: g.astype(jnp.float32) / grad_div, grads)
         keep = g_norm < max_norm
         grads = jax.tree.map(lambda t: jax.lax.select(keep, t, (t / g_norm.astype(t.dtype)) * max_norm), grads)
         updates, opt_state = tx.update(grads, opt_state, master)
         master = optax.apply_updates(master, updates)
-        return jax.tree.map(lambda x: x.astype(compute_dtype), master), master, opt_state
+        compute = jax.tree.map(lambda x: x.astype(compute_dtype), master)
+        return place(compute, "params"), place(master, "master"), place(opt_state, "opt")
 
     return jax.jit(update)
 

@@ -80,7 +80,22 @@ class Head(nn.Module):
         return logits if targets is None else cross_entropy(logits, targets)
 
 
+# Megatron tensor parallelism over the ``model`` axis: q, k, v and fc are column-parallel (split
+# on heads / hidden units), attn_out and proj row-parallel (split on their input), so each block
+# needs one all-reduce after attention and one after the MLP. Embedding, norms and output biases
+# are not split. Specs are per layer (no layer axis).
+PARTITION_RULES = (
+    (r"(q|k|v)/kernel", (None, "model", None)),  # (D, H, hd): heads
+    (r"(q|k|v)/bias", ("model", None)),  # (H, hd)
+    (r"attn_out/kernel", ("model", None, None)),  # (H, hd, D)
+    (r"fc/kernel", (None, "model")),  # (D, F): hidden units
+    (r"fc/bias", ("model",)),  # (F,)
+    (r"proj/kernel", ("model", None)),  # (F, D)
+)
+
+
 class GPT(StackedLM):
     """GPT-2: ``head(scan(block, embed(tokens)))``."""
 
     parts = (Embed, Block, Head)
+    partition_rules = PARTITION_RULES

@@ -40,6 +40,10 @@ class Layers(NamedTuple):
     embed: Callable[[Params, jax.Array], jax.Array]
     block: Callable[[Params, jax.Array], jax.Array]
     head: Callable[[Params, Params, jax.Array, jax.Array], jax.Array]
+    # Tensor parallelism: ``(path pattern, per-layer spec)`` pairs, e.g. ``("fc/kernel", (None, "model"))``.
+    # A pattern matches the end of a leaf's path (``blocks/fc/kernel``); unmatched leaves are not split
+    # over the ``model`` axis. See zinfjax/sharding.py and docs/sharding.md.
+    partition_rules: tuple = ()
 
 
 @runtime_checkable

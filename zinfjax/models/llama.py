@@ -88,7 +88,20 @@ class Head(nn.Module):
         return logits if targets is None else cross_entropy(logits, targets)
 
 
+# Megatron tensor parallelism over the ``model`` axis: q, k, v (query and key-value heads), gate
+# and up are column-parallel; attn_out and down are row-parallel. With grouped-query attention the
+# model axis must divide the key-value heads, so each device keeps its query heads' key-value
+# heads. Embedding, norms and lm_head are not split. Specs are per layer (no layer axis).
+PARTITION_RULES = (
+    (r"(q|k|v)/kernel", (None, "model", None)),  # (D, heads, hd)
+    (r"attn_out/kernel", ("model", None, None)),  # (H, hd, D)
+    (r"(gate|up)/kernel", (None, "model")),  # (D, F)
+    (r"down/kernel", ("model", None)),  # (F, D)
+)
+
+
 class Llama(StackedLM):
     """Llama: ``head(scan(block, embed(tokens)))``."""
 
     parts = (Embed, Block, Head)
+    partition_rules = PARTITION_RULES

@@ -22,6 +22,7 @@ class StackedLM(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     parts: ClassVar[tuple[type, type, type]]
+    partition_rules: ClassVar[tuple] = ()  # tensor parallelism; see `Layers.partition_rules`
 
     def setup(self):
         embed, block, head = self.parts
@@ -37,14 +38,15 @@ class StackedLM(nn.Module):
 
     def layers(self) -> Layers:
         """The embed, block and head functions that zinfjax streams (cached per size)."""
-        return _layers(self.parts, self.config, self.dtype)
+        return _layers(self.parts, self.config, self.dtype, self.partition_rules)
 
 
 @functools.cache
-def _layers(parts: tuple[type, type, type], c: ModelConfig, dt) -> Layers:
+def _layers(parts: tuple[type, type, type], c: ModelConfig, dt, rules: tuple) -> Layers:
     embed, block, head = parts
     return Layers(
         embed=lambda p, tokens: embed(c, dt).apply({"params": p}, tokens),
         block=lambda p, h: block(c, dt).apply({"params": p}, h)[0],
         head=lambda ph, pe, h, targets: head(c, dt).apply({"params": ph}, h, pe, targets),
+        partition_rules=rules,
     )

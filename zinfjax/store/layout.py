@@ -94,7 +94,9 @@ class Shard:
     Attributes:
         index: the slices of the layer it covers.
         devices: the addressable devices that hold a copy (empty if none here).
-        writer: whether this process writes it (its replica 0 is addressable here).
+        writer: whether this process writes it: it holds a copy. Every process has its own
+            store directory (a lock keeps processes apart), so a shard replicated over
+            processes is written by each of them into its own directory.
     """
 
     index: Index
@@ -172,7 +174,7 @@ def _shards(sharding: Sharding, shape: tuple[int, ...]) -> tuple[Shard, ...]:
         devices = groups[key]
         local = tuple(d for d in devices if d.process_index == me)
         index = tuple(slice(a, b) for a, b in key)
-        shards.append(Shard(index, local, writer=devices[0].process_index == me))
+        shards.append(Shard(index, local, writer=bool(local)))
     return tuple(shards)
 
 

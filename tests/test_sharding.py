@@ -1,0 +1,151 @@
+"""The sharding rules: the ZeRO stage table, the persistence threshold, Megatron tensor parallelism, memory figures."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tests.engine_helpers import expected_state_bytes
+from zinfjax import models
+from zinfjax.engine.functions import Layout, make_layer_functions
+from zinfjax.engine.memory import abstract_params, state_bytes, zero_formula
+from zinfjax.engine.stores import GROUPS, stacked_shardings
+from zinfjax.errors import ConfigError
+from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, make_mesh, shard_shape
+
+# The issue's table, written out independently of zinfjax.sharding: what each stage shards over `data`.
+STAGE_TABLE = {
+    0: set(),
+    1: {"opt", "master"},
+    2: {"opt", "master", "grads"},
+    3: {"opt", "master", "grads", "params"},
+}
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_each_stage_shards_the_kinds_of_its_row(stage):
+    rules = ShardingRules(stage=stage, data=8)
+    for kind in ("params", "grads", "opt", "master"):
+        spec = rules.spec(kind, "blocks/fc/kernel", (64, 256))
+        assert ("data" in tuple(spec)) == (kind in STAGE_TABLE[stage]), (kind, spec)
+
+
+def test_small_leaves_stay_replicated_under_the_threshold():
+    rules = ShardingRules(stage=3, data=8, threshold=1024)
+    assert rules.spec("params", "blocks/ln/scale", (1016,)) == P(None)
+    assert rules.spec("params", "blocks/ln/scale", (1024,)) == P("data")
+    assert ShardingRules(stage=3, data=8, threshold=0).spec("params", "x", (8,)) == P("data")
+
+
+def test_leaves_without_a_divisible_dimension_stay_replicated():
+    rules = ShardingRules(stage=3, data=8)
+    assert rules.spec("params", "embed/wte/embedding", (50257, 1001)) == P(None, None)
+    assert rules.spec("params", "embed/wte/embedding", (50257, 768)) == P(None, "data")
+    assert rules.spec("params", "blocks/x", (6, 1000, 7)) == P(None, "data", None)
+
+
+def test_data_takes_the_largest_divisible_dimension_free_of_the_model_axis():
+    rules = ShardingRules(stage=3, data=4, model=2, tp=models.gpt.PARTITION_RULES)
+    assert rules.spec("params", "blocks/fc/kernel", (64, 256)) == P("data", "model")
+    assert rules.spec("params", "blocks/proj/kernel", (256, 64)) == P("model", "data")
+    assert rules.spec("params", "blocks/q/kernel", (64, 8, 8)) == P("data", "model", None)
+    assert rules.spec("opt", "blocks/0/mu/q/kernel", (64, 8, 8)) == P("data", "model", None)
+    assert rules.spec("opt", "blocks/0/count", ()) == P()
+
+
+def test_the_layer_axis_is_never_sharded():
+    mesh = make_mesh({"data": 4, "model": 2})
+    abstract = abstract_params("gpt2-tiny")
+    rules = ShardingRules.for_mesh(mesh, 3, models.gpt.PARTITION_RULES, threshold=0)
+    for kind in ("params", "grads", "master"):
+        for g in GROUPS:
+            for s, x in zip(jax.tree.leaves(stacked_shardings(rules, mesh, kind, g, abstract[g])),
+                            jax.tree.leaves(abstract[g]), strict=True):
+                assert s.spec[0] is None and len(s.spec) == x.ndim + (g != "blocks")
+
+
+def test_a_model_axis_that_does_not_divide_the_heads_is_refused():
+    rules = ShardingRules(stage=0, data=1, model=3, tp=models.gpt.PARTITION_RULES)
+    with pytest.raises(ConfigError, match=r"blocks/q/kernel.*model axis"):
+        rules.spec("params", "blocks/q/kernel", (64, 8, 8))
+
+
+def _collectives(fn, *args) -> list[str]:
+    text = fn.lower(*args).compile().as_text()
+    return re.findall(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", text)
+
+
+def _block_inputs(model_name: str, rules: ShardingRules, mesh):
+    model = models.build(model_name)
+    abstract = abstract_params(model_name)
+    layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract["blocks"])
+    shardings = rules.shardings(mesh, "params", "blocks", layer)
+    layer = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), layer, shardings)
+    rows = NamedSharding(mesh, P(None, "data"))
+    h = jax.ShapeDtypeStruct((1, 8, 16, model.config.d_model), jnp.float32, sharding=rows)
+    return model, layer, h
+
+
+@pytest.mark.parametrize("model_name", ["gpt2-tiny", "llama-tiny"])
+def test_tensor_parallel_block_is_megatron_two_all_reduces_and_no_gather(model_name):
+    """Column-parallel in, row-parallel out: a block's forward all-reduces after attention and after the MLP."""
+    mesh = make_mesh({"data": 2, "model": 4})
+    model = models.build(model_name)
+    rules = ShardingRules.for_mesh(mesh, 0, model.layers().partition_rules)
+    model, layer, h = _block_inputs(model_name, rules, mesh)
+    fns = make_layer_functions(model.layers(), Layout(rules, mesh))
+    assert _collectives(fns.block_fwd, layer, h) == ["all-reduce", "all-reduce"]
+    split = [s.spec for s in jax.tree.leaves(rules.shardings(mesh, "params", "blocks", layer))]
+    assert sum("model" in tuple(s) for s in split) >= 5  # every attention and MLP kernel is split
+
+
+def test_stage3_gathers_params_inside_the_layer_function():
+    mesh = make_mesh({"data": 8})
+    rules = ShardingRules.for_mesh(mesh, 3)
+    model, layer, h = _block_inputs("gpt2-tiny", rules, mesh)
+    fns = make_layer_functions(model.layers(), Layout(rules.canonical(["grads"]), mesh))
+    assert "all-gather" in _collectives(fns.block_fwd, layer, h)
+    # Stage 2 gathers nothing: its parameters are whole on every device.
+    model, layer, h = _block_inputs("gpt2-tiny", ShardingRules.for_mesh(mesh, 2), mesh)
+    assert "all-gather" not in _collectives(fns.block_fwd, layer, h)
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_block_gradients_leave_in_the_stage_layout(stage):
+    mesh = make_mesh({"data": 8})
+    rules = ShardingRules.for_mesh(mesh, stage)
+    model, layer, h = _block_inputs("gpt2-tiny", rules, mesh)
+    fns = make_layer_functions(model.layers(), Layout(rules.canonical(["grads"]), mesh))
+    _, grads = fns.block_bwd.lower(layer, h, h).compile().output_shardings
+    sharded = ["data" in tuple(g.spec) for g in jax.tree.leaves(grads)]
+    assert any(sharded) == (stage >= 2)
+    # Each device keeps 1/8 of every gradient it owns (XLA's CPU backend lowers the reduce-scatter as
+    # an all-reduce and a slice; on GPU it is one reduce-scatter).
+    if stage >= 2:
+        kernel = grads["fc"]["kernel"]
+        assert kernel.shard_shape((64, 256)) == (64, 256 // 8)
+
+
+@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpt2_small_memory_table_follows_zero_formulas(stage, precision):
+    """fp32: p=4, g=4, K=8 (Adam m, v); bf16: p=2, g=4 (spooled as fp32), K=12 (m, v, fp32 master)."""
+    abstract, tx, n = abstract_params("gpt2-small"), optax.adamw(1e-3), 8
+    dtype, (p, g, k) = {"fp32": (jnp.float32, (4, 4, 8)), "bf16": (jnp.bfloat16, (2, 4, 12))}[precision]
+    got = sum(state_bytes(abstract, tx, ShardingRules(stage=stage, data=n), dtype).values())
+    assert got == expected_state_bytes(abstract, tx, stage, n, p, g, k, PERSISTENCE_THRESHOLD)
+    # Sharding must save what the paper says, up to the small replicated remainder.
+    psi = sum(x.size for x in jax.tree.leaves(abstract))
+    assert got == pytest.approx(zero_formula(stage, psi, n, p, g, k), rel=0.01)
+
+
+def test_shard_shape_divides_each_split_dimension():
+    assert shard_shape((64, 256), P("data", "model"), {"data": 4, "model": 2}) == (16, 128)
+    assert shard_shape((64, 256), P(("data", "model")), {"data": 4, "model": 2}) == (8, 256)
+    assert shard_shape((5,), P(), {"data": 4}) == (5,)
+    assert np.prod(shard_shape((8, 8), P(None, "data"), {"data": 8})) == 8

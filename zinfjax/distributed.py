@@ -1,0 +1,168 @@
+"""Joining a multi-process run: `jax.distributed` from environment variables, with gloo on CPU.
+
+`zinfjax launch` sets these variables for every process it starts (docs/sharding.md):
+
+- ``ZINFJAX_COORDINATOR``: ``host:port`` of process 0's coordination service;
+- ``ZINFJAX_NUM_PROCESSES``: how many processes take part;
+- ``ZINFJAX_PROCESS_ID``: this process's rank, ``0 .. N-1``;
+- ``ZINFJAX_LOCAL_DEVICES`` (optional): how many CPU devices this process simulates;
+- ``ZINFJAX_CONNECT_TIMEOUT`` (optional): seconds to wait for every peer to connect, and at exit
+  for every peer to finish (default 60).
+
+Example:
+    >>> initialize_from_env()       # before any JAX computation; False when the variables are unset
+    False
+    >>> process_nvme_path("/mnt/nvme/run1")
+    '/mnt/nvme/run1'
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Mapping
+
+import jax
+
+from zinfjax.errors import UserError
+
+COORDINATOR = "ZINFJAX_COORDINATOR"
+NUM_PROCESSES = "ZINFJAX_NUM_PROCESSES"
+PROCESS_ID = "ZINFJAX_PROCESS_ID"
+LOCAL_DEVICES = "ZINFJAX_LOCAL_DEVICES"
+CONNECT_TIMEOUT = "ZINFJAX_CONNECT_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT = 60
+XLA_CONNECT_MARGIN_S = 30  # XLA's own deadline, later than ours so that ours reports
+
+
+class DistributedError(UserError):
+    """A multi-process run that cannot start: bad variables, or a peer that never connected."""
+
+
+def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Joins the run the ``ZINFJAX_*`` variables describe; returns whether it is multi-process.
+
+    Call it before any JAX computation. It selects gloo for CPU collectives, sets the number of
+    simulated CPU devices when ``ZINFJAX_LOCAL_DEVICES`` is given, and calls
+    `jax.distributed.initialize`. Without ``ZINFJAX_NUM_PROCESSES`` it does nothing; a second
+    call is a no-op.
+
+    Example:
+        >>> # ZINFJAX_COORDINATOR=127.0.0.1:8476 ZINFJAX_NUM_PROCESSES=2 ZINFJAX_PROCESS_ID=1 python train.py
+        >>> initialize_from_env()
+        True
+    """
+    env = os.environ if environ is None else environ
+    if NUM_PROCESSES not in env:
+        return False
+    if jax.distributed.is_initialized():
+        return True
+    count, rank = _int(env, NUM_PROCESSES, 1), _int(env, PROCESS_ID, 0)
+    address = env.get(COORDINATOR, "")
+    if rank >= count or ":" not in address:
+        raise DistributedError(f"{PROCESS_ID}={rank} must be below {NUM_PROCESSES}={count}, and "
+                               f"{COORDINATOR}={address!r} must be host:port; start processes with `zinfjax launch`")
+    timeout = _int(env, CONNECT_TIMEOUT, 1) if CONNECT_TIMEOUT in env else DEFAULT_CONNECT_TIMEOUT
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service would catch SIGTERM and keep running; the launcher's SIGTERM means stop.
+    jax.config.update("jax_enable_preemption_service", False)
+    if LOCAL_DEVICES in env:
+        jax.config.update("jax_num_cpu_devices", _int(env, LOCAL_DEVICES, 1))
+    _connect(address, count, rank, timeout)
+    _fail_fast_on_uncaught_errors()
+    return True
+
+
+def _connect(address: str, count: int, rank: int, timeout: int) -> None:
+    """`jax.distributed.initialize`, with a clear one-line error if the peers do not all join in time.
+
+    XLA aborts the process when its own connect deadline passes, with a C++ stack trace; a
+    watchdog that fires first says instead what went wrong.
+    """
+
+    def give_up():
+        print(f"zinfjax: error: process {rank} of {count}: not all {count} processes joined the run at "
+              f"{address} within {timeout} s; start every rank (`zinfjax launch -n {count}` does) or raise "
+              f"{CONNECT_TIMEOUT}", file=sys.stderr, flush=True)
+        exit_now(2)
+
+    watchdog = threading.Timer(timeout, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        # The shutdown barrier at exit waits for the peers too; a peer that never arrives (it called
+        # sys.exit while the others compute) then ends the run after `timeout` instead of hanging it.
+        jax.distributed.initialize(address, count, rank, initialization_timeout=timeout + XLA_CONNECT_MARGIN_S,
+                                   shutdown_timeout_seconds=timeout)
+    except Exception as e:  # noqa: BLE001 - XLA raises several types; all mean the same to the user
+        raise DistributedError(f"process {rank} of {count} could not join the run at {address}: "
+                               f"{type(e).__name__}: {_first_line(e)}") from e
+    finally:
+        watchdog.cancel()
+
+
+def _fail_fast_on_uncaught_errors() -> None:
+    """An uncaught exception ends this process at once, skipping the shutdown barrier.
+
+    Otherwise the failed process would wait at exit for peers that wait for it in a collective,
+    and the launcher could not tell which rank failed first.
+    """
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        exit_now(1)
+
+    sys.excepthook = hook
+
+
+def exit_now(code: int) -> None:
+    """Flushes output and ends this process with ``code`` at once: no atexit, no shutdown barrier.
+
+    The way out of a failed multi-process run, whose peers may be blocked in a collective.
+
+    Example:
+        >>> exit_now(2)    # doctest: +SKIP
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int) -> int:
+    raw = env.get(name, "")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise DistributedError(f"{name}={raw!r} must be an integer >= {minimum}")
+    return value
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else ""
+
+
+def is_main_process() -> bool:
+    """Whether this process writes logs and shows progress: process 0, or a single process.
+
+    Example:
+        >>> is_main_process()
+        True
+    """
+    return jax.process_index() == 0
+
+
+def process_nvme_path(nvme_path: str | None) -> str | None:
+    """This process's own NVMe directory: ``nvme_path/process_<i>`` when several processes run.
+
+    Example:
+        >>> process_nvme_path("/mnt/nvme/run1")    # in process 1 of 2
+        '/mnt/nvme/run1/process_1'
+    """
+    if nvme_path is None or jax.process_count() == 1:
+        return nvme_path
+    return os.path.join(nvme_path, f"process_{jax.process_index()}")

@@ -1,0 +1,234 @@
+"""``zinfjax launch``: N copies of a command on this machine, joined by `jax.distributed`.
+
+Each copy gets the ``ZINFJAX_*`` variables that `zinfjax.distributed.initialize_from_env`
+reads; its output is streamed with a ``[rank i]`` prefix. When any copy fails (a non-zero
+exit, or killed by a signal) the others are stopped at once, so a run never hangs on a dead
+peer, and the launch reports which rank failed and how.
+
+Example:
+    >>> launch(["zinfjax", "train", "run.yaml"], num_processes=2, devices_per_process=2)
+    0
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from zinfjax import distributed
+from zinfjax.errors import UserError
+
+POLL_S = 0.05
+STOP_GRACE_S = 5.0
+
+
+class LaunchError(UserError):
+    """A launched process failed; ``exit_code`` is what ``zinfjax launch`` exits with."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now.
+
+    Example:
+        >>> 1024 <= free_port() < 65536
+        True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def process_env(rank: int, num_processes: int, coordinator: str, devices_per_process: int | None = None,
+                connect_timeout: int = distributed.DEFAULT_CONNECT_TIMEOUT, base: dict | None = None) -> dict:
+    """The environment of process ``rank``: ``base`` (default: ours) plus the ``ZINFJAX_*`` variables.
+
+    Example:
+        >>> process_env(1, 2, "127.0.0.1:8476")["ZINFJAX_PROCESS_ID"]
+        '1'
+    """
+    env = dict(os.environ if base is None else base)
+    env.update({
+        distributed.COORDINATOR: coordinator,
+        distributed.NUM_PROCESSES: str(num_processes),
+        distributed.PROCESS_ID: str(rank),
+        distributed.CONNECT_TIMEOUT: str(connect_timeout),
+        "PYTHONUNBUFFERED": "1",  # so output streams as it happens
+    })
+    if devices_per_process is not None:
+        env[distributed.LOCAL_DEVICES] = str(devices_per_process)
+    return env
+
+
+def launch(command: Sequence[str], num_processes: int, port: int | None = None,
+           devices_per_process: int | None = None,
+           connect_timeout: int = distributed.DEFAULT_CONNECT_TIMEOUT) -> int:
+    """Runs ``num_processes`` copies of ``command``; returns 0 when all succeed.
+
+    Raises:
+        LaunchError: a process failed; the others have been stopped.
+
+    Example:
+        >>> launch([sys.executable, "-c", "print('hi')"], num_processes=2)
+        0
+    """
+    if num_processes < 1:
+        raise UserError(f"-n {num_processes}: launch at least one process")
+    if not command:
+        raise UserError("no command to launch; write it after --, e.g. zinfjax launch -n 2 -- zinfjax train")
+    coordinator = f"127.0.0.1:{port or free_port()}"
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    restore = _interrupt_on_sigterm()
+    try:
+        for rank in range(num_processes):
+            env = process_env(rank, num_processes, coordinator, devices_per_process, connect_timeout)
+            procs.append(_start(command, env))
+            pumps.append(_pump(procs[-1], f"[rank {rank}] "))
+        failed = _wait_all(procs)
+    except BaseException:
+        _stop(procs)
+        raise
+    finally:
+        restore()
+    if failed is not None:
+        _stop(procs)
+    for t in pumps:
+        t.join(timeout=STOP_GRACE_S)
+    if failed is not None:
+        rank, code = failed
+        raise LaunchError(f"process {rank} of {num_processes} {_describe(code)}; stopped the others "
+                          f"(its output is above, prefixed [rank {rank}])", exit_code=_exit_code(code))
+    return 0
+
+
+def _start(command: Sequence[str], env: dict) -> subprocess.Popen:
+    try:
+        # A session of its own, so stopping it reaches its children too.
+        return subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent())
+    except OSError as e:
+        raise UserError(f"cannot start {command[0]!r}: {e.strerror}") from e
+
+
+def _die_with_parent():
+    """A pre-exec hook that has the child killed if the launcher dies, even by SIGKILL (Linux only).
+
+    libc is resolved here, in the parent: the hook runs between fork and exec, where importing
+    or loading anything could deadlock on a lock another thread held at the fork.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl, pr_set_pdeathsig = ctypes.CDLL(None).prctl, 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _interrupt_on_sigterm():
+    """Makes SIGTERM to the launcher stop its processes as Ctrl-C does; returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, old)
+
+
+def _pump(proc: subprocess.Popen, prefix: str) -> threading.Thread:
+    """Copies ``proc``'s output to ours, each line (or progress-bar redraw) prefixed."""
+
+    def copy():
+        pending = b""
+        while chunk := os.read(proc.stdout.fileno(), 65536):
+            pending += chunk
+            while (cut := _line_end(pending)) >= 0:
+                _emit(prefix.encode() + pending[: cut + 1])
+                pending = pending[cut + 1:]
+        if pending:
+            _emit(prefix.encode() + pending + b"\n")
+        proc.stdout.close()
+
+    thread = threading.Thread(target=copy, name=f"zinf-launch-{prefix.strip()}", daemon=True)
+    thread.start()
+    return thread
+
+
+def _line_end(data: bytes) -> int:
+    ends = [i for i in (data.find(b"\n"), data.find(b"\r")) if i >= 0]
+    return min(ends) if ends else -1
+
+
+_emit_lock = threading.Lock()
+
+
+def _emit(data: bytes) -> None:
+    with _emit_lock:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
+    """Waits until every process has succeeded, or one has failed: then ``(rank, returncode)``.
+
+    One waiter thread per process reports exits in the order they happen, so the rank that
+    failed first is named, not a peer that died of losing it a moment later.
+    """
+    exits: queue.Queue = queue.Queue()
+    for rank, p in enumerate(procs):
+        threading.Thread(target=lambda r=rank, p=p: exits.put((r, p.wait())), daemon=True,
+                         name=f"zinf-launch-wait-{rank}").start()
+    for _ in procs:
+        rank, code = _get(exits)
+        if code != 0:
+            return rank, code
+    return None
+
+
+def _get(q: queue.Queue):
+    # A plain get() would block signals (Ctrl-C, SIGTERM) until an item arrives.
+    while True:
+        try:
+            return q.get(timeout=POLL_S * 10)
+        except queue.Empty:
+            continue
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every process group still running, then SIGKILL after a grace period."""
+    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in running) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {code})"
+    return f"failed with exit code {code}"
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else code
