@@ -6,8 +6,8 @@ that each peak RSS is its own:
 - ``reference``: the plain jitted optax step (zinfjax.reference), everything in memory;
 - ``device`` / ``host``: the engine with every tier on device / host memory;
 - ``nvme``: the engine with params, optimizer state, gradients and activations on the nvme
-  tier, inside a memory cgroup smaller than the state, so reads come from the disk and not
-  from the page cache.
+  tier. Its chunk I/O is O_DIRECT, so reads come from the disk and not from the page cache
+  (``--isolation cgroup`` also runs it inside a memory cgroup smaller than the state).
 
 Raw disk bandwidth (sequential O_DIRECT, `zinfjax.benchmarks.io.raw_direct_io`) is measured
 on the same directory before and after the runs. The I/O floor of the nvme step is the bytes
@@ -142,6 +142,9 @@ def run_child(args, argv: list[str], run: str, cgroup: MemoryCgroup | None) -> d
 
 
 def run_nvme(args, argv: list[str]) -> tuple[dict, str]:
+    if args.isolation == "direct":
+        isolation = "O_DIRECT chunk I/O: every nvme read and write bypasses the page cache (no cgroup)"
+        return run_child(args, argv, "nvme", None), isolation
     if not MemoryCgroup.available():
         isolation = "none: no writable cgroup v1 memory controller, so reads may come from the page cache"
         return run_child(args, argv, "nvme", None), isolation
@@ -195,7 +198,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation)")
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--host-buffer-bytes", type=parse_size, default="256MiB")
-    p.add_argument("--memory-limit", type=parse_size, default="1GiB", help="cgroup limit of the nvme run")
+    p.add_argument("--isolation", choices=["direct", "cgroup"], default="direct",
+                   help="keep nvme reads off the page cache by the tier's O_DIRECT I/O, or by a memory cgroup")
+    p.add_argument("--memory-limit", type=parse_size, default="1GiB", help="cgroup limit of the nvme run (--isolation "
+                   "cgroup)")
     p.add_argument("--raw-bytes", type=parse_size, default="1GiB", help="bytes of each raw O_DIRECT test")
     p.add_argument("--runs", default=",".join(RUNS), help="configurations to run (comma separated)")
     p.add_argument("--child", choices=RUNS, help=argparse.SUPPRESS)
