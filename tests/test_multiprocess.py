@@ -63,10 +63,11 @@ def test_reference_two_processes_match_one_process(one_process_four_devices, tmp
 
 
 @pytest.mark.slow
-def test_engine_on_nvme_two_processes_match_one_process(one_process_four_devices, tmp_path):
+@pytest.mark.parametrize("stage", [0, 3])
+def test_engine_on_nvme_two_processes_match_one_process(one_process_four_devices, tmp_path, stage):
     log, nvme = tmp_path / "mp.json", tmp_path / "nvme"
-    out = launch(2, *ZINFJAX, "train", *RUN, "--set", "params=nvme", "--set", "optimizer=nvme",
-                 "--set", f"nvme_path={nvme}", "--set", f"log={log}")
+    out = launch(2, *ZINFJAX, "train", *RUN, "--set", f"stage={stage}", "--set", "params=nvme",
+                 "--set", "optimizer=nvme", "--set", f"nvme_path={nvme}", "--set", f"log={log}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr
     assert sorted(p.name for p in nvme.iterdir()) == ["process_0", "process_1"]
     for d in nvme.iterdir():
