@@ -5,12 +5,11 @@ so each peak RSS belongs to one configuration alone. The model is wide enough th
 (fp32 params + Adam m, v) dwarfs what a JAX process needs anyway: doubling the layers doubles
 the state, and must raise the peak RSS by less than 10%.
 
-The child first fixes glibc's mmap threshold at 1 MiB
-(`zinfjax.benchmarks.capacity.fixed_mmap_threshold`). By default glibc raises that threshold as
-large blocks are freed, after which layer-sized buffers come from the heap arenas of the many
-I/O threads and stay there once freed: peak RSS then reflects allocator fragmentation (1.3-1.5 GB
-for this 0.3 GB state, +3% to +9% from 8 to 16 layers from run to run) rather than what the
-engine holds (0.9-1.0 GB, flat).
+The child first sets glibc's malloc as ``zinfjax train`` does (`zinfjax.allocator.tune_allocator`:
+one arena, a fixed mmap threshold). With glibc's defaults, layer-sized buffers come from the heap
+arenas of the many I/O threads and stay there once freed: peak RSS then reflects allocator
+fragmentation (1.3-1.5 GB for this 0.3 GB state, +3% to +9% from 8 to 16 layers from run to run)
+rather than what the engine holds.
 """
 
 from __future__ import annotations
@@ -85,7 +84,7 @@ def test_peak_rss_does_not_grow_with_layers_when_state_is_on_nvme(tmp_path):
 
 
 if __name__ == "__main__":
-    from zinfjax.benchmarks.capacity import fixed_mmap_threshold
+    from zinfjax.allocator import tune_allocator
 
-    fixed_mmap_threshold()
+    tune_allocator()
     print(json.dumps(train_and_measure(int(sys.argv[1]), sys.argv[2])))

@@ -7,6 +7,7 @@ Example:
     >>> state, metrics = state.train_step(batch)
 """
 
+from zinfjax.allocator import tune_allocator
 from zinfjax.config import Config
 from zinfjax.engine import Engine, NotElementwiseError
 from zinfjax.errors import ConfigError, UserError
@@ -17,5 +18,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Config", "ConfigError", "Engine", "LayeredConventionError", "Layers", "NotElementwiseError", "UserError",
-    "WrappedState", "__version__", "wrap",
+    "WrappedState", "__version__", "tune_allocator", "wrap",
 ]

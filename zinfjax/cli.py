@@ -48,11 +48,14 @@ def add_train(sub) -> None:
 
 
 def _train(args) -> int:
+    from zinfjax.allocator import tune_allocator
     from zinfjax.config import Config
     from zinfjax.distributed import is_main_process
     from zinfjax.train import run
 
     config = Config.load(args.config, args.overrides)
+    if config.uses_nvme:
+        tune_allocator()  # before the engine's I/O threads start: see zinfjax/allocator.py
     log = run(config, progress=not args.quiet, trace=args.trace)
     if not is_main_process():
         return 0

@@ -29,6 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from zinfjax.allocator import tune_allocator
 from zinfjax.benchmarks.io import parse_size
 from zinfjax.models import ModelConfig
 
@@ -87,23 +88,6 @@ def param_count(config: ModelConfig) -> int:
 
 
 # ---- process isolation -------------------------------------------------------------------------
-
-
-def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
-    """Serves every allocation above ``nbytes`` from its own mmap, returned to the OS when freed.
-
-    By default glibc raises its mmap threshold as large blocks are freed; layer-sized buffers
-    then come from the heap arenas of the many I/O threads and stay there once freed, so the
-    peak RSS measures allocator fragmentation instead of what the engine holds.
-
-    Example:
-        >>> fixed_mmap_threshold(1 << 20)
-    """
-    import ctypes
-
-    m_mmap_threshold = -3  # from glibc's malloc.h
-    if not ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, nbytes):
-        raise OSError("mallopt(M_MMAP_THRESHOLD) failed")
 
 
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
@@ -200,7 +184,7 @@ def train(args) -> dict:
     from zinfjax.optim import make_optimizer
     from zinfjax.sharding import make_mesh
 
-    fixed_mmap_threshold()
+    tune_allocator()
     model = sized_model(args.state_bytes, args.d_model, seq_len=max(args.seq_len, 64))
     c = Config(params="nvme", optimizer="nvme", gradients="nvme", activations="nvme",
                nvme_path=os.path.join(args.dir, "state"), batch_size=args.batch_size, seq_len=args.seq_len,

@@ -90,7 +90,8 @@ class Engine:
         self.step_count = 0
         self.tracer = None  # a zinfjax.engine.trace.Tracer while one is attached
         self._writes: collections.deque = collections.deque()  # writes in flight, oldest first
-        self._max_writes = WRITES_PER_LAYER * (config.prefetch_depth + 1)
+        # One layer of writes in flight per layer read ahead: reads and writes share the disk.
+        self._max_writes = WRITES_PER_LAYER * max(1, config.prefetch_depth)
         self._sumsq_parts: list = []
         self._telemetry: StepTelemetry | None = None  # the step in progress
         self.data_sharding = NamedSharding(mesh, P(None, "data"))

@@ -4,6 +4,10 @@ Each chunk is raw little-endian bytes followed by a crc32c checksum, checked on 
 `file` kvstore writes a chunk to a temporary file and renames it into place, so a chunk is either
 the old or the new one, never half of each. Reads and writes stage through host buffers from a
 `BufferPool`, run on small thread pools, and hand back futures.
+
+On the CPU backend, where device memory is host memory, direct reads skip the staging buffer:
+each chunk is read with O_DIRECT straight into the aligned array that becomes its device
+buffer (``device_put`` adopts it without a copy), which saves a copy of every byte read.
 """
 
 from __future__ import annotations
@@ -103,6 +107,9 @@ class NvmeStore(LayerStore):
         chunk_io: "direct" reads and writes the zarr3 chunk files itself (O_DIRECT, hardware
             crc32c; see `chunkfile`); "tensorstore" goes through tensorstore's read and write.
             Both give the same files.
+        atomic: with direct chunk I/O, False overwrites existing chunks in place instead of
+            through a temporary file and a rename (see `chunkfile.write_chunks`): for scratch
+            state, such as the engine's working copy, that a crash invalidates anyway.
         **context: options for `tensorstore_context`; ``file_io_sync`` applies to both.
     """
 
@@ -119,6 +126,7 @@ class NvmeStore(LayerStore):
         read_threads: int = 8,
         write_threads: int = 4,
         chunk_io: str = "direct",
+        atomic: bool = True,
         **context,
     ):
         super().__init__(like, layouts)
@@ -126,6 +134,7 @@ class NvmeStore(LayerStore):
             raise ValueError(f"chunk_io={chunk_io!r}; use one of {CHUNK_IO}")
         self.chunk_io = chunk_io
         self._sync = context.get("file_io_sync", True)
+        self._atomic = atomic
         self.directory = os.path.abspath(directory)
         prepare_directory(self.directory)
         self._lock_file = StoreLock(self.directory)
@@ -199,6 +208,9 @@ class NvmeStore(LayerStore):
             slots = self._slots(plan, buf)
             for (k, shard), (_, view) in zip(plan, slots, strict=True):
                 np.copyto(view, _host_shard(host[k], shard))
+            # The staged copy is what gets written: let the layer's arrays go now, not when it lands.
+            del host
+            leaves.clear()
             if self.chunk_io == "direct":
                 self._write_direct(i, plan, slots)
             else:
@@ -213,7 +225,7 @@ class NvmeStore(LayerStore):
             for (k, s), (slot, _) in zip(plan, slots, strict=True)
         ]
         try:
-            chunkfile.write_chunks(chunks, sync=self._sync)
+            chunkfile.write_chunks(chunks, sync=self._sync, atomic=self._atomic)
         except chunkfile.ChunkWriteError as e:
             raise self._translate(e, i, self.layouts[plan[e.chunk][0]], writing=True) from e
 
@@ -227,6 +239,14 @@ class NvmeStore(LayerStore):
     def _read_layer(self, i: int, after: Future | None):
         wait_after(i, after)
         plan = [(k, s) for k, lay in enumerate(self.layouts) for s in lay.shards if s.devices]
+        if self.chunk_io == "direct" and all(d.platform == "cpu" for _, s in plan for d in s.devices):
+            out = self._read_in_place(i, plan)
+        else:
+            out = self._read_staged(i, plan)
+        self._count("bytes_read", sum(lay.shard_nbytes for k, s in plan for lay in [self.layouts[k]]))
+        return self._unflatten(out)
+
+    def _read_staged(self, i: int, plan: list) -> list:
         buf = self.pool.acquire(self._read_nbytes())
         try:
             slots = self._slots(plan, buf)
@@ -234,19 +254,35 @@ class NvmeStore(LayerStore):
                 self._read_direct(i, plan, slots)
             else:
                 self._read_tensorstore(i, plan, slots)
-            out = self._to_device(plan, [view for _, view in slots], buf)
+            return self._to_device(plan, [view for _, view in slots], buf)
         finally:
             buf.release()
-        self._count("bytes_read", sum(lay.shard_nbytes for k, s in plan for lay in [self.layouts[k]]))
-        return self._unflatten(out)
+
+    def _read_in_place(self, i: int, plan: list) -> list:
+        """CPU backend: every chunk read into its own aligned array, which its device array then owns."""
+        slots = [aligned_empty((self._slot(k),), np.uint8, chunkfile.BLOCK) for k, _ in plan]
+        self._read_direct(i, plan, [(slot, None) for slot in slots])
+        per_leaf: list[list] = [[] for _ in self.layouts]
+        for slot, (k, shard) in zip(slots, plan, strict=True):
+            lay = self.layouts[k]
+            view = slot[: lay.shard_nbytes].view(lay.dtype).reshape(lay.shard_shape)
+            first, *others = shard.devices
+            per_leaf[k].append(jax.device_put(view, first))
+            per_leaf[k].extend(_device_put(view, d) for d in others)  # a copy each: devices never alias
+        return [
+            jax.make_array_from_single_device_arrays(lay.layer_shape, lay.sharding, xs)
+            for lay, xs in zip(self.layouts, per_leaf, strict=True)
+        ]
 
     def _read_direct(self, i: int, plan: list, slots: list) -> None:
-        for (k, s), (slot, _) in zip(plan, slots, strict=True):
-            lay = self.layouts[k]
-            try:
-                chunkfile.read_chunk(self._chunk_path(k, i, s), slot, lay.shard_nbytes)
-            except (ValueError, OSError) as e:
-                raise self._translate(e, i, lay, writing=False) from e
+        chunks = [
+            (self._chunk_path(k, i, s), slot, self.layouts[k].shard_nbytes)
+            for (k, s), (slot, _) in zip(plan, slots, strict=True)
+        ]
+        try:
+            chunkfile.read_chunks(chunks)
+        except (ValueError, OSError) as e:
+            raise self._translate(e, i, self.layouts[plan[getattr(e, "chunk", 0)][0]], writing=False) from e
 
     def _read_tensorstore(self, i: int, plan: list, slots: list) -> None:
         futures = [
