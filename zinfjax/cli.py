@@ -99,7 +99,7 @@ def _launch(args) -> int:
 
 
 def add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks that print JSON (io, ...)",
+    p = sub.add_parser("bench", help="benchmarks that print JSON (io, step, capacity)",
                        description="Benchmarks. Each prints one JSON object; see docs/BENCHMARKS.md.")
     p.add_argument("name", choices=["io", "step", "capacity"],
                    help="io: the nvme tier against raw O_DIRECT disk throughput; step: reference vs engine on "
