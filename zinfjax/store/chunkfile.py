@@ -151,7 +151,7 @@ def write_chunks(chunks: list[tuple[str, np.ndarray, int]], sync: bool = True, a
 
 
 def _write_atomic(chunks: list[tuple[str, np.ndarray, int]], sync: bool) -> None:
-    temps: list[tuple[str, int, bool]] = []  # (temp path, fd or -1 once closed, direct)
+    temps: list[tuple[str, int, bool]] = []  # (temp path, fd, direct)
     try:
         jobs = []
         for k, (path, slot, nbytes) in enumerate(chunks):
@@ -192,14 +192,17 @@ def _overwrite_in_place(chunks: list[tuple[str, np.ndarray, int]], sync: bool) -
                 continue
             _put_checksum(slot, nbytes)
             body = size // BLOCK * BLOCK if _aligned(slot) else 0  # whole blocks, O_DIRECT
-            if body:
-                fd = _open(path, os.O_WRONLY, direct=True)
-                fds.append(fd)
-                jobs += [(k, _write_segment, fd, memoryview(slot)[:body], o, n) for o, n in _segments(body)]
-            if body < size:  # the tail (or all of it) through the page cache: never past the end
-                fd = os.open(path, os.O_WRONLY)
-                fds.append(fd)
-                jobs.append((k, _write_segment, fd, memoryview(slot)[:size], body, size - body))
+            try:
+                if body:
+                    fd = _open(path, os.O_WRONLY, direct=True)
+                    fds.append(fd)
+                    jobs += [(k, _write_segment, fd, memoryview(slot)[:body], o, n) for o, n in _segments(body)]
+                if body < size:  # the tail (or all of it) through the page cache: never past the end
+                    fd = os.open(path, os.O_WRONLY)
+                    fds.append(fd)
+                    jobs.append((k, _write_segment, fd, memoryview(slot)[:size], body, size - body))
+            except OSError as e:
+                raise ChunkWriteError(k, e) from e
         _run_all(jobs, writing=True)
         if sync:
             _run_all([(0, os.fsync, fd) for fd in fds], writing=True)
