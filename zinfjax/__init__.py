@@ -8,6 +8,7 @@ Example:
 """
 
 from zinfjax.allocator import tune_allocator
+from zinfjax.checkpoint import CheckpointManager
 from zinfjax.config import Config
 from zinfjax.engine import Engine, NotElementwiseError
 from zinfjax.errors import ConfigError, UserError
@@ -17,6 +18,6 @@ from zinfjax.wrap import WrappedState, wrap
 __version__ = "0.1.0"
 
 __all__ = [
-    "Config", "ConfigError", "Engine", "LayeredConventionError", "Layers", "NotElementwiseError", "UserError",
-    "WrappedState", "__version__", "tune_allocator", "wrap",
+    "CheckpointManager", "Config", "ConfigError", "Engine", "LayeredConventionError", "Layers", "NotElementwiseError",
+    "UserError", "WrappedState", "__version__", "tune_allocator", "wrap",
 ]

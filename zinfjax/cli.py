@@ -59,6 +59,9 @@ def _train(args) -> int:
     log = run(config, progress=not args.quiet, trace=args.trace)
     if not is_main_process():
         return 0
+    if not log["steps"]:
+        print(f"nothing to train: the checkpoint is already at step {config.steps}")
+        return 0
     first, last = log["steps"][0]["loss"], log["steps"][-1]["loss"]
     print(f"trained {len(log['steps'])} steps: loss {first:.4f} -> {last:.4f}"
           + (f"; log {config.log}" if config.log else ""))
@@ -115,6 +118,36 @@ def _bench(args) -> int:
     return module.main(args.rest) or 0
 
 
+def add_ckpt(sub) -> None:
+    p = sub.add_parser("ckpt", help="inspect and export checkpoints",
+                       description="Inspect a checkpoint directory, or export a checkpoint's parameters for inference.",
+                       epilog="examples:\n  zinfjax ckpt info runs/demo/ckpt\n"
+                       "  zinfjax ckpt export runs/demo/ckpt runs/demo/params-bf16 --dtype bf16",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    info = actions.add_parser("info", help="steps, leaf shapes, bytes per tier and the training config")
+    info.add_argument("dir", help="a save_dir, or one checkpoint (<save_dir>/<step>)")
+    info.add_argument("--json", action="store_true", help="print the newest checkpoint's metadata as JSON")
+    export = actions.add_parser("export", help="parameters only, in the compute dtype, as an orbax checkpoint")
+    export.add_argument("dir", help="a save_dir (its newest checkpoint) or one checkpoint")
+    export.add_argument("out", help="the new directory (an orbax PyTree checkpoint of numpy arrays)")
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                        help="dtype of the exported parameters (default: the run's precision)")
+    p.set_defaults(func=_ckpt)
+
+
+def _ckpt(args) -> int:
+    from zinfjax.checkpoint import inspect
+
+    if args.action == "info":
+        print(inspect.info_text(args.dir, as_json=args.json))
+        return 0
+    out = inspect.export_params(args.dir, args.out, args.dtype)
+    print(f"exported the parameters of {out['source']} ({out['dtype']}, {out['leaves']} leaves, "
+          f"{out['bytes']} bytes) to {args.out}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zinfjax", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,6 +155,7 @@ def parser() -> argparse.ArgumentParser:
     add_train(sub)
     add_bench(sub)
     add_launch(sub)
+    add_ckpt(sub)
     return p
 
 

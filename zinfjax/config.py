@@ -62,6 +62,11 @@ class Config:
     weight_decay: float = 0.0
     seed: int = 0
     log: str | None = None
+    # checkpoints
+    save_dir: str | None = None
+    save_every: int = 0
+    keep_checkpoints: int = 3
+    resume: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "host_buffer_bytes", parse_bytes(self.host_buffer_bytes))
@@ -225,6 +230,10 @@ def _validate(c: Config) -> None:
     for key in ("steps", "batch_size", "seq_len"):
         _check(getattr(c, key) >= 1, f"{key}={getattr(c, key)} must be 1 or more")
     _check(c.lr > 0, f"lr={c.lr} must be positive")
+    _check(c.save_every >= 0, f"save_every={c.save_every} must be 0 (only at the end) or positive")
+    _check(c.keep_checkpoints >= 1, f"keep_checkpoints={c.keep_checkpoints} must be 1 or more")
+    _check(bool(c.save_dir) or not (c.save_every or c.resume),
+           "save_every and resume need a checkpoint directory; set save_dir=/path/to/checkpoints")
     parse_mesh(c.mesh)
     from zinfjax.models.configs import ModelConfig
 
@@ -255,4 +264,8 @@ KEY_DOCS = {
     "weight_decay": "decoupled weight decay for adamw and lion",
     "seed": "seed of the initial parameters and of the data order",
     "log": "path of the JSON log; a PNG loss curve is written beside it",
+    "save_dir": "checkpoint directory: <save_dir>/<step>/ (orbax layout; see docs/checkpoint.md)",
+    "save_every": "save a checkpoint every N steps (0: only after the last step); needs save_dir",
+    "keep_checkpoints": "how many of the newest checkpoints to keep",
+    "resume": "continue from the newest complete checkpoint in save_dir, under this run's mesh, stage and tiers",
 }

@@ -166,3 +166,19 @@ def process_nvme_path(nvme_path: str | None) -> str | None:
     if nvme_path is None or jax.process_count() == 1:
         return nvme_path
     return os.path.join(nvme_path, f"process_{jax.process_index()}")
+
+
+def barrier(name: str, timeout_s: float = 600.0) -> None:
+    """Waits until every process reaches barrier ``name``; a no-op in a single-process run.
+
+    It goes through the coordination service's key-value store, not a device collective, so a
+    background thread (an asynchronous checkpoint) may call it while training runs.
+
+    Example:
+        >>> barrier("checkpoint-100")
+    """
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))

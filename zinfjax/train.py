@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import jax
@@ -52,12 +53,29 @@ class ReferenceTrainer:
 
 
 class EngineTrainer:
-    """The streaming engine behind the same ``step(batch) -> metrics`` interface."""
+    """The streaming engine behind the same ``step(batch) -> metrics`` interface.
+
+    With ``config.resume`` it starts from the newest complete checkpoint in ``config.save_dir``
+    (``self.restored``: its directory), else from the initial parameters.
+    """
 
     def __init__(self, config: Config, model, mesh):
-        params, _ = init_state(model, optax.identity(), mesh, config.seed, config.seq_len)
+        self.restored = None
+        source = self._checkpoint(config, model, mesh) if config.resume else None
+        if source is None:
+            source, _ = init_state(model, optax.identity(), mesh, config.seed, config.seq_len)
         tx = make_optimizer(config.replace(grad_clip=0.0))  # the engine clips from config.grad_clip itself
-        self.engine = Engine(model.layers(), params, tx, config, mesh, (config.batch_size, config.seq_len + 1))
+        self.engine = Engine(model.layers(), source, tx, config, mesh, (config.batch_size, config.seq_len + 1))
+
+    def _checkpoint(self, config: Config, model, mesh):
+        from zinfjax.checkpoint import CheckpointSource, complete_steps
+
+        if not complete_steps(config.save_dir):
+            return None
+        abstract = jax.eval_shape(lambda: init_state(model, optax.identity(), mesh, config.seed, config.seq_len)[0])
+        source = CheckpointSource(config.save_dir, abstract)
+        self.restored = source
+        return source
 
     def next_batch(self, batches: Batches):
         # The engine places a host batch itself; every process builds the same one, as batch n
@@ -85,8 +103,8 @@ def global_batch(batches: Batches, sharding) -> jax.Array:
 
 
 def uses_engine(config: Config) -> bool:
-    """The reference trainer serves a plain in-memory run; anything offloaded or sharded streams."""
-    return config.stage > 0 or any(getattr(config, k) != "device" for k in TIER_KEYS)
+    """The reference trainer serves a plain in-memory run; anything offloaded, sharded or checkpointed streams."""
+    return config.stage > 0 or bool(config.save_dir) or any(getattr(config, k) != "device" for k in TIER_KEYS)
 
 
 def build_trainer(config: Config):
@@ -116,7 +134,10 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     check_vocab(tokens, model.config.vocab_size, config.data)
     batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
     log = {"config": config.to_dict(), "processes": jax.process_count(), "devices": jax.device_count(), "steps": []}
-    bar = tqdm(range(1, config.steps + 1), disable=not (progress and main), unit="step", dynamic_ncols=True)
+    first = _start(trainer, batches, log, main)
+    saver = Saver(config, model.config, trainer) if config.save_dir else None
+    bar = tqdm(range(first, config.steps + 1), disable=not (progress and main), unit="step", dynamic_ncols=True,
+               initial=first - 1, total=config.steps)
     try:
         for step in bar:
             start = time.perf_counter()
@@ -125,6 +146,10 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
             record = {"step": step, **metrics, "tokens_per_s": config.batch_size * config.seq_len / seconds}
             log["steps"].append(record)
             bar.set_postfix_str(progress_text(record), refresh=False)
+            if saver:
+                saver.after_step(step, batches.position, last=step == config.steps)
+        if saver:
+            saver.close()
     finally:
         if tracer is not None:
             tracer.detach()
@@ -133,6 +158,59 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     if config.log and main:
         write_log(log, config.log)
     return log
+
+
+def _start(trainer, batches: Batches, log: dict, main: bool) -> int:
+    """The first step to run: 1, or one past a restored checkpoint (whose data position it takes)."""
+    engine = getattr(trainer, "engine", None)
+    interrupted = engine.interrupted_step if engine is not None else None
+    restored = getattr(trainer, "restored", None)
+    notes = []
+    if interrupted is not None:
+        notes.append(f"the working state in {trainer.engine.config.nvme_path} was cut short during step "
+                     f"{interrupted} and is rebuilt")
+    if restored is not None:
+        batches.position = restored.data_position
+        notes.append(f"resuming from checkpoint {restored.directory} (step {restored.step})")
+        log["resumed_from"] = {"directory": restored.directory, "step": restored.step}
+    elif getattr(trainer, "engine", None) is not None and trainer.engine.config.resume:
+        notes.append(f"no checkpoint in {trainer.engine.config.save_dir} yet: starting from step 0")
+    if notes and main:
+        print("zinfjax: " + "; ".join(notes), file=sys.stderr)
+    return 1 + (restored.step if restored is not None else 0)
+
+
+class Saver:
+    """Checkpoints of a ``zinfjax train`` run: every ``save_every`` steps and after the last one.
+
+    A failed save is reported and training goes on; the previous checkpoints are intact.
+    """
+
+    def __init__(self, config: Config, model_config, trainer):
+        from zinfjax.checkpoint import CheckpointManager
+
+        self.every, self.trainer = config.save_every, trainer
+        self.manager = CheckpointManager(config.save_dir, keep=config.keep_checkpoints, config=config,
+                                         model=model_config)
+
+    def after_step(self, step: int, data_position: int, last: bool) -> None:
+        from zinfjax.checkpoint import CheckpointSaveError
+
+        if last or (self.every and step % self.every == 0):
+            try:
+                self.manager.save(self.trainer.engine, step=step, data_position=data_position)
+            except CheckpointSaveError as e:
+                self._report(e)
+            self._report(self.manager.last_error)
+
+    def close(self) -> None:
+        self._report(self.manager.wait(raise_error=False))
+        self.manager.close()
+
+    @staticmethod
+    def _report(error) -> None:
+        if error is not None and is_main_process():
+            print(f"zinfjax: warning: {error}", file=sys.stderr)
 
 
 def _attach_tracer(trainer, path: str | None):

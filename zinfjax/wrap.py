@@ -67,10 +67,12 @@ class WrappedState:
         self.close()
 
 
-def wrap(state, config: Config, mesh=None, model=None) -> WrappedState:
+def wrap(state, config: Config, mesh=None, model=None, restore: str | None = None) -> WrappedState:
     """Wraps a Flax Linen ``TrainState`` or an NNX ``nnx.Optimizer`` for streaming training.
 
     An ``nnx.Optimizer`` does not hold its model (flax >= 0.11), so NNX users pass ``model=``.
+    ``restore`` (a save_dir, or one checkpoint in it) starts from that checkpoint instead of the
+    state's parameters, whatever mesh, stage and tiers it was saved with (docs/checkpoint.md).
 
     The model must follow the layered convention (docs/layered.md): a ``layers()`` method and
     parameters grouped as ``embed``, ``blocks`` (stacked on a layer axis) and ``head``. The
@@ -80,6 +82,7 @@ def wrap(state, config: Config, mesh=None, model=None) -> WrappedState:
         >>> state = zinfjax.wrap(state, zinfjax.Config(stage=0, params="host", optimizer="host"))
         >>> state, metrics = state.train_step(batch)
         >>> nnx_state = zinfjax.wrap(nnx.Optimizer(model, tx, wrt=nnx.Param), config, model=model)
+        >>> state = zinfjax.wrap(state, config, restore="runs/ckpt")      # resume from the newest checkpoint
     """
     mesh = mesh if mesh is not None else make_mesh(config.mesh_axes())
     batch_shape = (config.batch_size, config.seq_len + 1)
@@ -87,7 +90,7 @@ def wrap(state, config: Config, mesh=None, model=None) -> WrappedState:
         if model is None:
             raise LayeredConventionError("wrapping an nnx.Optimizer needs its model: zinfjax.wrap(optimizer, "
                                          "config, model=model)")
-        return _wrap_nnx(state, model, config, mesh, batch_shape)
+        return _wrap_nnx(state, model, config, mesh, batch_shape, restore)
     for attr in ("apply_fn", "params", "tx"):
         if not hasattr(state, attr):
             raise LayeredConventionError(
@@ -99,8 +102,17 @@ def wrap(state, config: Config, mesh=None, model=None) -> WrappedState:
         raise LayeredConventionError(
             f"state.apply_fn must be the bound apply of a layered model (model.apply); see {DOCS}"
         )
-    engine = Engine(get_layers(model), state.params, state.tx, config, mesh, batch_shape)
-    return WrappedState(engine, config, int(getattr(state, "step", 0)))
+    engine = Engine(get_layers(model), _source(state.params, restore), state.tx, config, mesh, batch_shape)
+    return WrappedState(engine, config, engine.step_count if restore else int(getattr(state, "step", 0)))
+
+
+def _source(params, restore: str | None):
+    """The parameters themselves, or the checkpoint to restore in their place."""
+    if restore is None:
+        return params
+    from zinfjax.checkpoint import CheckpointSource
+
+    return CheckpointSource(restore, params)
 
 
 def _is_nnx_optimizer(state) -> bool:
@@ -111,17 +123,18 @@ def _is_nnx_optimizer(state) -> bool:
     return isinstance(state, nnx.Optimizer)
 
 
-def _wrap_nnx(optimizer, model, config: Config, mesh, batch_shape) -> WrappedState:
+def _wrap_nnx(optimizer, model, config: Config, mesh, batch_shape, restore: str | None) -> WrappedState:
     from flax import nnx
 
     linen = getattr(model, "module", None)  # nnx.bridge.ToNNX keeps the Linen module here
     layered = linen if linen is not None else model
     params = nnx.state(model, nnx.Param).to_pure_dict()
-    engine = Engine(get_layers(layered), params, optimizer.tx, config, mesh, batch_shape)
+    engine = Engine(get_layers(layered), _source(params, restore), optimizer.tx, config, mesh, batch_shape)
 
     def write_back(new_params) -> None:
         state = nnx.state(model, nnx.Param)
         state.replace_by_pure_dict(new_params)
         nnx.update(model, state)
 
-    return WrappedState(engine, config, int(optimizer.step[...]), on_sync=write_back)
+    step = engine.step_count if restore else int(optimizer.step[...])
+    return WrappedState(engine, config, step, on_sync=write_back)

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zinfjax.config import Config
+from zinfjax.engine import progress
 from zinfjax.engine.functions import Layout, make_layer_functions
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.engine.stores import GROUPS, build_stores, opt_like, plan_stores
@@ -76,7 +77,8 @@ class Engine:
     def __init__(self, layers: Layers, params, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
                  batch_shape: tuple[int, int], persistence_threshold: int = PERSISTENCE_THRESHOLD):
         check_elementwise(tx)
-        source = params if isinstance(params, ParamSource) else ParamSource.from_tree(params)
+        # A ParamSource, a zinfjax.checkpoint.CheckpointSource, or a parameter tree.
+        source = params if hasattr(params, "abstract") else ParamSource.from_tree(params)
         self.num_layers = check_params(source.abstract)
         check_batch(batch_shape[0], mesh, config.grad_accum)
         self.config, self.mesh, self.tx = config, mesh, tx
@@ -99,6 +101,7 @@ class Engine:
         plan = plan_stores(config, mesh, self.rules, abstract, self._opt_like(abstract),
                            self._act_like(abstract, batch_shape), self.spool, self.compute_dtype)
         self.stores = build_stores(config, plan)
+        self.interrupted_step = progress.interrupted(config)  # a step a killed process left half done
         try:
             self._fill(source)
         except BaseException:
@@ -121,6 +124,9 @@ class Engine:
 
     def _fill(self, source: ParamSource) -> None:
         """Writes the initial state into the stores, one layer at a time."""
+        if hasattr(source, "fill"):  # a checkpoint
+            source.fill(self)
+            return
         for g in GROUPS:
             stores = [self.stores.params[g], self.stores.opt[g]]
             stores += [self.stores.master[g]] if self.stores.master else []
@@ -138,6 +144,7 @@ class Engine:
 
     def train_step(self, batch) -> dict:
         """One optimizer step on ``batch`` (B, T+1); returns the step's metrics."""
+        progress.begin(self.config, self.step_count + 1)
         telemetry = self._telemetry = StepTelemetry(self.stores.all(), self.tracer)
         tokens = jax.device_put(micro_batches(np.asarray(batch), self.config.grad_accum), self.data_sharding)
         x, y = tokens[:, :, :-1], tokens[:, :, 1:]
@@ -171,6 +178,7 @@ class Engine:
         loss = float(loss)
         self.stores.flush()
         self.step_count += 0 if skipped else 1
+        progress.end(self.config)
         self._telemetry = None
         return telemetry.finish(loss=loss, skipped=skipped, loss_scale=self.loss_scale.value)
 

@@ -133,7 +133,7 @@ def write_chunks(chunks: list[tuple[str, np.ndarray, int]], sync: bool = True, a
     system an inode created and one freed per chunk (the larger part of a write's CPU cost on
     ext4). A write cut short leaves a chunk whose checksum no longer matches, which a read
     reports; it suits scratch state that a crash invalidates anyway. A chunk that does not exist
-    yet is written atomically.
+    yet, or whose file has another hard link (a checkpoint's), is written atomically.
 
     Raises:
         ChunkWriteError: naming the chunk that failed, with the OSError's errno.
@@ -185,7 +185,9 @@ def _overwrite_in_place(chunks: list[tuple[str, np.ndarray, int]], sync: bool) -
         for k, (path, slot, nbytes) in enumerate(chunks):
             size = nbytes + CHECKSUM_BYTES
             try:
-                if os.stat(path).st_size != size:
+                st = os.stat(path)
+                # A chunk linked elsewhere (a checkpoint) is replaced, never overwritten: the link keeps it.
+                if st.st_size != size or st.st_nlink > 1:
                     raise FileNotFoundError(path)
             except FileNotFoundError:
                 rest.append(k)

@@ -53,6 +53,15 @@ class MemoryStore(LayerStore):
         self.stats.bytes_read += self.layer_nbytes
         return done_future(self._unflatten(out))
 
+    def snapshot(self) -> list[list]:
+        """Every layer's arrays as they are now. They are immutable, so a later write does not change them.
+
+        Example:
+            >>> layers = store.snapshot()   # a checkpoint writes these out while training goes on
+        """
+        self.flush()
+        return [list(leaves) if leaves is not None else None for leaves in self._layers]
+
     @staticmethod
     def _place(x, sharding):
         if isinstance(x, np.ndarray):

@@ -293,9 +293,16 @@ class NvmeStore(LayerStore):
             self._wait(fut, i, self.layouts[k], writing=False)
 
     def _chunk_path(self, k: int, i: int, shard: Shard) -> str:
-        shape = self.layouts[k].shard_shape
-        grid = [(sl.start or 0) // n if n else 0 for sl, n in zip(shard.index, shape, strict=True)]
-        return chunkfile.chunk_path(self._leaf_dirs[k], (i, *grid))
+        return chunkfile.chunk_path(self._leaf_dirs[k], (i, *shard_grid(shard, self.layouts[k])))
+
+    def chunk_files(self, i: int) -> list[tuple[int, Shard, str]]:
+        """Layer ``i``'s chunk files this process wrote: ``(leaf index, shard, path)`` each.
+
+        Checkpoints link them (zinfjax/checkpoint): a linked chunk is never overwritten in
+        place, so the link keeps the layer as it was (see `chunkfile.write_chunks`).
+        """
+        return [(k, s, self._chunk_path(k, i, s)) for k, lay in enumerate(self.layouts) for s in lay.shards
+                if s.writer]
 
     def _slot(self, k: int) -> int:
         return chunkfile.slot_bytes(self.layouts[k].shard_nbytes)
@@ -378,6 +385,12 @@ def _device_put(view: np.ndarray, device) -> jax.Array:
     private = aligned_empty(view.shape, view.dtype)
     np.copyto(private, view)
     return jax.device_put(private, device)
+
+
+def shard_grid(shard: Shard, lay: LeafLayout) -> tuple[int, ...]:
+    """The chunk-grid coordinates of ``shard`` within one layer of ``lay``."""
+    shape = lay.shard_shape
+    return tuple((sl.start or 0) // n if n else 0 for sl, n in zip(shard.index, shape, strict=True))
 
 
 def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:

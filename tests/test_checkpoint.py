@@ -1,0 +1,155 @@
+"""Checkpoints: orbax layout, asynchronous and atomic saves, resharding restores, bad input."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from tests.engine_helpers import _tx, batches, config, initial_params, make_engine
+from tests.mounts import tmpfs
+from zinfjax import models
+from zinfjax.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointManager,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    CheckpointSource,
+    complete_steps,
+)
+from zinfjax.engine import Engine
+from zinfjax.sharding import make_mesh
+
+NVME = dict(params="nvme", optimizer="nvme", gradients="nvme", activations="nvme")
+
+
+def restore(c, path):
+    """An engine for ``c`` started from the checkpoint at ``path``, and its source."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), initial_params(c))
+    source = CheckpointSource(path, abstract)
+    engine = Engine(models.build(c.model).layers(), source, _tx(c), c, make_mesh(c.mesh_axes()),
+                    (c.batch_size, c.seq_len + 1))
+    return engine, source
+
+
+def losses_after(engine, c, position, steps):
+    data = batches(c)
+    data.position = position
+    return [engine.train_step(next(data))["loss"] for _ in range(steps)]
+
+
+def test_stage3_nvme_on_8_devices_restores_at_stage1_in_memory_on_2(tmp_path):
+    """Saved asynchronously mid-run at stage 3 / 8 devices / nvme; restored at stage 1 / 2 devices / device."""
+    c = config(stage=3, mesh="data:8", nvme_path=str(tmp_path / "nvme"), **NVME)
+    engine, data = make_engine(c), batches(c)
+    manager = CheckpointManager(str(tmp_path / "ckpt"))
+    losses = [engine.train_step(next(data))["loss"] for _ in range(2)]
+    manager.save(engine)
+    saved = jax.tree.map(np.asarray, engine.params())
+    losses += [engine.train_step(next(data))["loss"] for _ in range(3)]  # while the save runs
+    manager.close()
+    engine.close()
+    assert complete_steps(str(tmp_path / "ckpt")) == [2]
+
+    # A plain orbax user restores the parameters, bitwise.
+    plain = ocp.PyTreeCheckpointer().restore(str(tmp_path / "ckpt" / "2" / "params"))
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    c2 = config(stage=1, mesh="data:2")
+    restored, source = restore(c2, str(tmp_path / "ckpt"))
+    assert source.step == restored.step_count == 2
+    resumed = losses_after(restored, c2, source.data_position, 3)
+    restored.close()
+    np.testing.assert_allclose(resumed, losses[2:], rtol=1e-6)
+
+
+def run_cli(args: list[str]) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "zinfjax.cli", *args], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def log_steps(path) -> list[dict]:
+    return json.loads(open(path).read())["steps"]
+
+
+def test_resume_in_a_new_process_is_bitwise(tmp_path):
+    """Train 10 steps saving at 5; a new process resumes from 5 (other tiers) and steps 6-10 match bitwise."""
+    common = ["--set", "model=gpt2-tiny", "--set", "batch_size=8", "--set", "seq_len=16", "--set", "mesh=data:1",
+              "--set", "steps=10", "--set", f"save_dir={tmp_path / 'ckpt'}", "--quiet"]
+    nvme = ["--set", "params=nvme", "--set", "optimizer=nvme", "--set", f"nvme_path={tmp_path / 'nvme'}"]
+    run_cli(["train", *common, *nvme, "--set", "save_every=5", "--set", f"log={tmp_path / 'a.json'}"])
+    assert complete_steps(str(tmp_path / "ckpt")) == [5, 10]
+    shutil.rmtree(tmp_path / "ckpt" / "10")
+    out = run_cli(["train", *common, "--set", "resume=true", "--set", "optimizer=host",
+                   "--set", f"log={tmp_path / 'b.json'}"])
+    assert "resuming from checkpoint" in out.stderr and "(step 5)" in out.stderr
+    a, b = log_steps(tmp_path / "a.json"), log_steps(tmp_path / "b.json")
+    assert [r["step"] for r in b] == [6, 7, 8, 9, 10]
+    assert [r["loss"] for r in b] == [r["loss"] for r in a[5:]]
+
+
+def test_corrupt_chunk_is_detected(tmp_path):
+    c = config(mesh="data:2", params="host", optimizer="host")
+    engine = make_engine(c)
+    engine.train_step(next(batches(c)))
+    with CheckpointManager(str(tmp_path / "ckpt")) as manager:
+        manager.save(engine)
+    engine.close()
+    chunk = sorted(glob.glob(str(tmp_path / "ckpt" / "1" / "opt_state" / "blocks.*" / "c" / "2" / "*")))[0]
+    with open(chunk, "r+b") as f:
+        f.seek(5)
+        byte = f.read(1)
+        f.seek(5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointCorruptError, match=r"corrupt at leaf opt_state/blocks\..*, layer 2"):
+        restore(c, str(tmp_path / "ckpt"))
+
+
+def test_other_model_is_refused_with_the_leaves(tmp_path):
+    c = config(mesh="data:1", params="host")
+    engine = make_engine(c)
+    with CheckpointManager(str(tmp_path / "ckpt")) as manager:
+        manager.save(engine)
+    engine.close()
+    with pytest.raises(CheckpointMismatchError) as err:
+        restore(config(mesh="data:1", model="llama-tiny"), str(tmp_path / "ckpt"))
+    assert "params/blocks.fc.kernel: in the checkpoint but not in this run" in str(err.value)
+    assert "params/blocks.gate.kernel: missing from the checkpoint" in str(err.value)
+
+
+def test_full_disk_fails_the_save_and_keeps_the_previous(tmp_path):
+    c = config(mesh="data:1", params="host", optimizer="host")
+    engine, data = make_engine(c), batches(c)
+    with tmpfs(tmp_path / "small", "6m") as small:  # one checkpoint (3.7 MB) fits, two do not
+        manager = CheckpointManager(str(small / "ckpt"), keep=2)
+        engine.train_step(next(data))
+        manager.save(engine)
+        manager.wait()
+        engine.train_step(next(data))
+        manager.save(engine)
+        with pytest.raises(CheckpointSaveError, match=r"is full.*previous checkpoint \(step 1\) is intact"):
+            manager.wait()
+        assert complete_steps(str(small / "ckpt")) == [1]
+        assert not [n for n in os.listdir(small / "ckpt") if n.startswith(".tmp")]
+        assert np.isfinite(engine.train_step(next(data))["loss"])  # training goes on
+        restored, source = restore(c, str(small / "ckpt"))
+        assert source.step == 1
+        restored.close()
+        manager.close()
+    engine.close()
+
+
+def test_unwritable_save_dir_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointSaveError, match="choose a writable save_dir"):
+        CheckpointManager(str(tmp_path / "file" / "ckpt"))

@@ -1,0 +1,113 @@
+"""The checkpoint on disk: orbax PyTree items of zarr3 arrays, plus ``zinfjax.json``.
+
+```
+<save_dir>/<step>/
+  params/        the parameters (fp32 master weights under mixed precision), an orbax PyTree
+                 checkpoint: _METADATA, and one zarr3 array per leaf, named by its key path
+                 (``blocks.attn.q.kernel``); blocks are stacked on a leading layer axis
+  opt_state/     the optax state of each group, the same way
+  zinfjax.json   step, data position, seed, loss scale, the run's config and model, every leaf's
+                 shape/dtype/chunk shape, and the bytes each store held on its tier
+```
+
+A chunk is one layer of one device shard, raw little-endian bytes followed by their crc32c: the
+nvme tier's own chunk encoding (docs/store.md), so the chunk files of a working store on the same
+filesystem become checkpoint files by a hard link. Any zarr3 reader checks the crc32c; plain
+orbax restores ``params`` without zinfjax:
+
+    >>> ocp.PyTreeCheckpointer().restore(f"{save_dir}/{step}/params")   # numpy arrays
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+ITEMS = ("params", "opt_state")
+META = "zinfjax.json"
+ORBAX_METADATA = "_METADATA"
+FORMAT_VERSION = 1
+
+
+def step_dir(save_dir: str, step: int) -> str:
+    """The directory of checkpoint ``step`` (orbax's step naming: the bare number)."""
+    return os.path.join(save_dir, str(int(step)))
+
+
+def complete_steps(save_dir: str) -> list[int]:
+    """The steps with a complete checkpoint in ``save_dir``, oldest first.
+
+    A checkpoint appears under its number only once complete (it is written under a temporary
+    name and renamed), so a directory named by a number that holds ``zinfjax.json`` is one.
+
+    Example:
+        >>> complete_steps("runs/demo/ckpt")
+        [50, 100]
+    """
+    if not os.path.isdir(save_dir):
+        return []
+    return sorted(int(n) for n in os.listdir(save_dir)
+                  if n.isdigit() and os.path.isfile(os.path.join(save_dir, n, META)))
+
+
+def leaf_metadata(shape, dtype, chunk_shape) -> dict:
+    return {"shape": [int(d) for d in shape], "dtype": np.dtype(dtype).name,
+            "chunk_shape": [int(d) for d in chunk_shape]}
+
+
+def zarr_metadata(meta: dict) -> dict:
+    """The zarr3 ``zarr.json`` of a leaf: the nvme tier's codecs (raw bytes + crc32c)."""
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": meta["shape"],
+        "data_type": meta["dtype"],
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": meta["chunk_shape"]}},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        "fill_value": 0 if np.dtype(meta["dtype"]).kind in "iub" else 0.0,
+    }
+
+
+def orbax_metadata(keys: dict[str, tuple]) -> dict:
+    """Orbax's ``_METADATA`` for leaves ``{directory name: key path}``, restored as numpy arrays."""
+    tree = {}
+    for keypath in keys.values():
+        key_meta = [{"key": str(k), "key_type": 1 if isinstance(k, int) else 2} for k in keypath]
+        tree[str(tuple(str(k) for k in keypath))] = {
+            "key_metadata": key_meta, "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False}}
+    return {"tree_metadata": tree, "use_ocdbt": False, "use_zarr3": True,
+            "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
+
+
+def key_path(group: str, path) -> tuple:
+    """A leaf's key path as plain keys (str, or int for a sequence index), under its group."""
+    keys = [group]
+    for k in path:
+        if isinstance(k, jax.tree_util.SequenceKey):
+            keys.append(k.idx)
+        elif isinstance(k, jax.tree_util.DictKey):
+            keys.append(str(k.key))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            keys.append(k.name)
+        else:
+            keys.append(str(k))
+    return tuple(keys)
+
+
+def write_json(path: str, value) -> None:
+    """Writes JSON durably: a temporary file, fsync, rename."""
+    temp = f"{path}.tmp"
+    with open(temp, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+
+
+def read_meta(directory: str) -> dict:
+    with open(os.path.join(directory, META)) as f:
+        return json.load(f)

@@ -1,0 +1,254 @@
+"""`CheckpointManager`: step-numbered, asynchronous, atomic checkpoints of a wrapped state.
+
+A save takes the step's state out of the stores between two steps (hard links for nvme,
+array references for device and host, see `snapshot`) and returns; a background thread makes
+the files durable, writes the metadata, and renames ``<save_dir>/.tmp-<step>`` to
+``<save_dir>/<step>``. Only that rename makes a checkpoint visible, so a crash at any point
+leaves the previous checkpoints as they were and no half checkpoint under a step number.
+
+Under `zinfjax launch` every process writes the chunks it holds into the same directory, and
+process 0 writes the metadata and renames once all have finished.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+
+from zinfjax.checkpoint import format as fmt
+from zinfjax.checkpoint.errors import CheckpointNotFoundError, CheckpointSaveError
+from zinfjax.checkpoint.snapshot import Part, Snapshot, parts_of
+from zinfjax.distributed import barrier
+from zinfjax.store.disk import free_bytes, is_disk_full
+from zinfjax.units import format_bytes
+
+
+class CheckpointManager:
+    """Saves and finds the checkpoints of one run under ``directory``, keeping the newest ``keep``.
+
+    Example:
+        >>> manager = CheckpointManager("runs/ckpt", keep=3)
+        >>> manager.save(state, data_position=step)    # returns at once; training goes on
+        >>> manager.wait()                             # raises CheckpointSaveError if it failed
+        >>> state = zinfjax.wrap(train_state, config, restore="runs/ckpt")   # later, any mesh or tiers
+    """
+
+    def __init__(self, directory: str, keep: int = 3, config=None, model=None):
+        if keep < 1:
+            raise CheckpointSaveError(f"keep={keep}: a manager keeps at least the newest checkpoint (keep >= 1)")
+        self.directory, self.keep = os.path.abspath(directory), keep
+        self.config, self.model = config, model
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="zinf-ckpt")
+        self._pending: Future | None = None
+        self.last_error: CheckpointSaveError | None = None  # of the previous save, reported by `save`
+        self._prepare()
+
+    def _prepare(self) -> None:
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            probe = os.path.join(self.directory, f".probe-{os.getpid()}")
+            with open(probe, "w"):
+                pass
+            os.remove(probe)
+        except OSError as e:
+            raise CheckpointSaveError(f"cannot write checkpoints to {self.directory}: {e.strerror}; choose a "
+                                      "writable save_dir") from e
+        if jax.process_index() == 0:  # a save cut short by a crash left its temporary directory
+            for name in os.listdir(self.directory):
+                if name.startswith(".tmp-"):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    # ---- saving ----------------------------------------------------------------------------------
+
+    def save(self, state, step: int | None = None, data_position: int | None = None) -> int:
+        """Starts saving ``state`` (a `WrappedState` or an `Engine`) as checkpoint ``step``; returns the step.
+
+        It waits for the previous save first, then returns as soon as the step's state is out of
+        the stores. A failure of the previous save is reported then (and by `wait`), not raised:
+        the previous checkpoints are intact and training can go on.
+        """
+        engine = getattr(state, "engine", state)
+        step = engine.step_count if step is None else int(step)
+        self.last_error = self.wait(raise_error=False)
+        engine.stores.flush()
+        tmp = os.path.join(self.directory, f".tmp-{step}")
+        if jax.process_index() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier(f"zinfjax-ckpt-{step}-begin")
+        parts = parts_of(engine)
+        meta = self._meta(engine, parts, step, data_position)
+        snapshot = Snapshot(tmp, _staging_dir(engine, step))
+        try:
+            snapshot.take(parts)
+        except OSError as e:
+            snapshot.discard()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise self._save_error(step, e) from e
+        self._pending = self._executor.submit(self._finish, snapshot, parts, meta, tmp, step)
+        return step
+
+    def wait(self, raise_error: bool = True) -> CheckpointSaveError | None:
+        """Waits for the save in flight; raises (or, with ``raise_error=False``, returns) its error."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        try:
+            pending.result()
+        except CheckpointSaveError as e:
+            if raise_error:
+                raise
+            return e
+        return None
+
+    def _finish(self, snapshot: Snapshot, parts: list[Part], meta: dict, tmp: str, step: int) -> None:
+        try:
+            snapshot.write()
+            barrier(f"zinfjax-ckpt-{step}-written")
+            if jax.process_index() == 0:
+                _write_metadata(tmp, parts, meta)
+                _syncfs(tmp)
+                _commit(tmp, fmt.step_dir(self.directory, step))
+                self._prune()
+            barrier(f"zinfjax-ckpt-{step}-committed")
+        except OSError as e:
+            snapshot.discard()
+            if jax.process_index() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise self._save_error(step, e) from e
+
+    def _save_error(self, step: int, e: OSError) -> CheckpointSaveError:
+        previous = self.steps()
+        kept = (f"the previous checkpoint (step {previous[-1]}) is intact" if previous
+                else "no earlier checkpoint exists")
+        if is_disk_full(e):
+            what = (f"the disk holding {self.directory} is full ({format_bytes(free_bytes(self.directory))} free); "
+                    "free some space or point save_dir at a larger disk")
+        else:
+            what = f"{e.strerror or e} ({getattr(e, 'filename', None) or self.directory}); check save_dir"
+        return CheckpointSaveError(f"checkpoint of step {step} failed: {what}; {kept}, and training can go on")
+
+    def _meta(self, engine, parts: list[Part], step: int, data_position: int | None) -> dict:
+        tiers: dict[str, dict] = {}
+        for part in parts:
+            entry = tiers.setdefault(part.store.tier, {"bytes": 0, "stores": []})
+            entry["bytes"] += part.store.num_layers * part.store.layer_nbytes
+            entry["stores"].append(f"{part.item}/{part.group}")
+        config = self.config or engine.config
+        return {
+            "format_version": fmt.FORMAT_VERSION,
+            "step": step,
+            "data_position": step if data_position is None else int(data_position),
+            "seed": config.seed,
+            "loss_scale": engine.loss_scale.value,
+            "precision": engine.config.precision,
+            "num_layers": engine.num_layers,
+            "processes": jax.process_count(),
+            "devices": jax.device_count(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "config": config.to_dict(),
+            "model": _model_dict(self.model),
+            "tiers": tiers,
+            "items": {item: {leaf.name: leaf.meta for p in parts if p.item == item for leaf in p.leaves}
+                      for item in fmt.ITEMS},
+        }
+
+    def _prune(self) -> None:
+        for old in self.steps()[: -self.keep]:
+            shutil.rmtree(fmt.step_dir(self.directory, old), ignore_errors=True)
+
+    # ---- finding -----------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The complete checkpoints, oldest first."""
+        return fmt.complete_steps(self.directory)
+
+    def latest(self) -> str:
+        """The directory of the newest complete checkpoint."""
+        return latest_checkpoint(self.directory)
+
+    def close(self) -> None:
+        """Waits for the save in flight (raising its error) and stops the background thread."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def latest_checkpoint(path: str) -> str:
+    """``path`` itself if it is one checkpoint, else the newest complete checkpoint under it.
+
+    Example:
+        >>> latest_checkpoint("runs/ckpt")
+        '/work/runs/ckpt/100'
+    """
+    path = os.path.abspath(path)
+    if os.path.isfile(os.path.join(path, fmt.META)):
+        return path
+    steps = fmt.complete_steps(path)
+    if not steps:
+        raise CheckpointNotFoundError(f"no complete checkpoint in {path}; train with save_dir={path} first, or "
+                                      "give the directory of one checkpoint (<save_dir>/<step>)")
+    return fmt.step_dir(path, steps[-1])
+
+
+def _write_metadata(tmp: str, parts: list[Part], meta: dict) -> None:
+    keys: dict[str, dict] = {item: {} for item in fmt.ITEMS}
+    for part in parts:
+        for leaf in part.leaves:
+            leaf_dir = os.path.join(tmp, part.item, leaf.name)
+            os.makedirs(leaf_dir, exist_ok=True)
+            fmt.write_json(os.path.join(leaf_dir, "zarr.json"), fmt.zarr_metadata(leaf.meta))
+            keys[part.item][leaf.name] = leaf.keypath
+    for item, leaves in keys.items():
+        fmt.write_json(os.path.join(tmp, item, fmt.ORBAX_METADATA), fmt.orbax_metadata(leaves))
+    fmt.write_json(os.path.join(tmp, fmt.META), meta)
+
+
+def _commit(tmp: str, final: str) -> None:
+    """Makes the checkpoint visible: one rename, then the parent directory made durable."""
+    if os.path.exists(final):  # the same step saved again (a resumed run): the new one replaces it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fd = os.open(os.path.dirname(final), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _syncfs(path: str) -> None:
+    """Flushes the filesystem of ``path`` (every file and directory entry the checkpoint made)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+    finally:
+        os.close(fd)
+
+
+def _staging_dir(engine, step: int) -> str | None:
+    """Where nvme chunks are linked first when the checkpoint is on another filesystem."""
+    path = engine.config.nvme_path
+    return os.path.join(os.path.abspath(path), f".checkpoint-{step}") if path else None
+
+
+def _model_dict(model) -> dict | None:
+    if model is None:
+        return None
+    import dataclasses
+
+    return dataclasses.asdict(model) if dataclasses.is_dataclass(model) else {"name": str(model)}
