@@ -16,7 +16,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

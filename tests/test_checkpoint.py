@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -24,6 +25,7 @@ from zinfjax.checkpoint import (
     CheckpointSaveError,
     CheckpointSource,
     complete_steps,
+    inspect,
 )
 from zinfjax.engine import Engine
 from zinfjax.sharding import make_mesh
@@ -153,3 +155,22 @@ def test_unwritable_save_dir_is_refused(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointSaveError, match="choose a writable save_dir"):
         CheckpointManager(str(tmp_path / "file" / "ckpt"))
+
+
+def test_info_and_bf16_export(tmp_path):
+    c = config(mesh="data:2", params="nvme", optimizer="host", nvme_path=str(tmp_path / "nvme"))
+    engine = make_engine(c)
+    engine.train_step(next(batches(c)))
+    with CheckpointManager(str(tmp_path / "ckpt"), config=c) as manager:
+        manager.save(engine)
+    params = jax.tree.map(np.asarray, engine.params())
+    engine.close()
+    text = inspect.info_text(str(tmp_path / "ckpt"))
+    assert "steps: 1" in text and "blocks.fc.kernel" in text and "(4, 64, 256)" in text
+    assert "nvme 877.5 KiB (params/embed, params/blocks, params/head)" in text and "stage=0" in text
+    out = inspect.export_params(str(tmp_path / "ckpt"), str(tmp_path / "bf16"), "bf16")
+    assert out["dtype"] == "bfloat16" and out["bytes"] == sum(x.size * 2 for x in jax.tree.leaves(params))
+    exported = ocp.PyTreeCheckpointer().restore(str(tmp_path / "bf16"))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(exported), strict=True):
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(a.astype(jnp.bfloat16), b)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -65,14 +66,33 @@ def test_reference_two_processes_match_one_process(one_process_four_devices, tmp
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 3])
 def test_engine_on_nvme_two_processes_match_one_process(one_process_four_devices, tmp_path, stage):
-    log, nvme = tmp_path / "mp.json", tmp_path / "nvme"
+    """Also saves checkpoints at steps 2 and 3 from both processes (docs/checkpoint.md)."""
+    log, nvme, ckpt = tmp_path / "mp.json", tmp_path / "nvme", tmp_path / "ckpt"
     out = launch(2, *ZINFJAX, "train", *RUN, "--set", f"stage={stage}", "--set", "params=nvme",
-                 "--set", "optimizer=nvme", "--set", f"nvme_path={nvme}", "--set", f"log={log}")
+                 "--set", "optimizer=nvme", "--set", f"nvme_path={nvme}", "--set", f"log={log}",
+                 "--set", f"save_dir={ckpt}", "--set", "save_every=2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr
     assert sorted(p.name for p in nvme.iterdir()) == ["process_0", "process_1"]
     for d in nvme.iterdir():
         assert {"params_blocks", "opt_blocks"} <= {p.name for p in d.iterdir()}
     check_matches(one_process_four_devices, log)
+    if stage == 3:
+        resume_in_one_process(one_process_four_devices, ckpt, tmp_path / "resumed.json")
+
+
+def resume_in_one_process(reference, ckpt, log):
+    """The checkpoint of step 2 (2 processes x 2 devices, stage 3, nvme) resumed by 1 process on 2 devices,
+    stage 1, in memory: step 3 matches the uninterrupted run."""
+    meta = json.loads((ckpt / "2" / "zinfjax.json").read_text())
+    assert meta["processes"] == 2 and meta["devices"] == 4 and meta["config"]["stage"] == 3
+    shutil.rmtree(ckpt / "3")
+    out = run([*ZINFJAX, "train", *RUN, "--set", "stage=1", "--set", "mesh=data:2", "--set", f"save_dir={ckpt}",
+               "--set", "resume=true", "--set", f"log={log}"], devices=2)
+    assert out.returncode == 0, out.stderr
+    got, data = losses(log)
+    assert [s["step"] for s in data["steps"]] == [3]
+    print(f"resumed step 3: {got[0]!r}, uninterrupted 1x4: {reference[2]!r}")
+    assert abs(got[0] - reference[2]) <= TOLERANCE
 
 
 FAIL_IN_COLLECTIVE = textwrap.dedent("""

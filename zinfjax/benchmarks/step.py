@@ -60,7 +60,7 @@ def run_config(args, run: str):
     return Config(params=tier, optimizer=tier, gradients=tier, activations=tier,
                   nvme_path=os.path.join(args.dir, "state"), batch_size=args.batch_size, seq_len=args.seq_len,
                   mesh="data:1", prefetch_depth=args.prefetch_depth, host_buffer_bytes=args.host_buffer_bytes,
-                  lr=1e-3)
+                  lr=1e-3, precision=args.precision)
 
 
 def one_batch(c):
@@ -175,7 +175,8 @@ def summary(args, runs: dict, raw: list[dict], isolation: str) -> dict:
         "io_floor_s": floor,
         "overlap_efficiency": max(runs["device"]["step_s"], floor) / nvme["step_s"],
         "peak_rss_GB": nvme["peak_rss_GB"],
-        "state_GB": n * 12 / GB,
+        "state_GB": n * state_bytes_per_param(args.precision) / GB,
+        "precision": args.precision,
         "nvme_isolation": isolation,
         "model": {"arch": model.arch, "d_model": model.d_model, "n_layers": model.n_layers,
                   "vocab_size": model.vocab_size, "params": n},
@@ -190,6 +191,12 @@ def summary(args, runs: dict, raw: list[dict], isolation: str) -> dict:
     }
 
 
+def state_bytes_per_param(precision: str) -> int:
+    """Bytes of training state per parameter with AdamW: the compute copy, fp32 master (mixed), m and v."""
+    compute = {"fp32": 4, "bf16": 2, "fp16": 2}[precision]
+    return compute + (0 if precision == "fp32" else 4) + 8
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zinfjax bench step", description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="runs/step", help="directory on the NVMe filesystem (state + raw I/O test)")
@@ -199,6 +206,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="fp32, or bf16 mixed precision (bf16 compute copies, fp32 master, m and v: ZeRO-Infinity's "
+                   "setting, and DeepSpeed's for NVMe parameter offload)")
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--host-buffer-bytes", type=parse_size, default="256MiB")
     p.add_argument("--isolation", choices=["direct", "cgroup"], default="direct",

@@ -1,4 +1,4 @@
-"""Reference models in the layered convention (embed, stacked blocks, head+loss).
+"""Reference models in the layered convention (embed, stacked blocks, head+loss): GPT-2, Llama, BERT.
 
 Example:
     >>> from zinfjax import models
@@ -11,6 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from zinfjax.models.bert import Bert, BertInputs, mean_pool
 from zinfjax.models.configs import NAMED, ModelConfig
 from zinfjax.models.gpt import GPT
 from zinfjax.models.layered import (
@@ -24,7 +25,7 @@ from zinfjax.models.layered import (
 )
 from zinfjax.models.llama import Llama
 
-ARCHS = {"gpt2": GPT, "llama": Llama}
+ARCHS = {"gpt2": GPT, "llama": Llama, "bert": Bert}
 
 
 def build(model: str | ModelConfig, dtype: Any = jnp.float32):
@@ -38,6 +39,6 @@ def build(model: str | ModelConfig, dtype: Any = jnp.float32):
 
 
 __all__ = [
-    "ARCHS", "GPT", "Llama", "LayeredConventionError", "LayeredModel", "Layers", "ModelConfig", "NAMED",
-    "build", "check_params", "get_layers", "layer_slice", "loss_fn",
+    "ARCHS", "Bert", "BertInputs", "GPT", "Llama", "LayeredConventionError", "LayeredModel", "Layers",
+    "ModelConfig", "NAMED", "build", "check_params", "get_layers", "layer_slice", "loss_fn", "mean_pool",
 ]

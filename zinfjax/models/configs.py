@@ -17,7 +17,7 @@ class ModelConfig:
         12
     """
 
-    arch: str  # "gpt2" or "llama"
+    arch: str  # "gpt2", "llama" or "bert"
     vocab_size: int
     max_seq_len: int
     d_model: int
@@ -28,6 +28,7 @@ class ModelConfig:
     tied: bool = True
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    type_vocab_size: int = 2  # bert: token types (segments)
 
     @property
     def head_dim(self) -> int:

@@ -1,0 +1,249 @@
+"""Hugging Face checkpoints (GPT-2, Llama, BERT) to zinfjax's layered params, and back.
+
+`HFCheckpoint` checks a checkpoint whole (config, names, shapes) before it reads anything,
+then yields its tensors one at a time in zinfjax's layout, so a streaming writer can put
+each one straight into its layer's chunk. `load_hf` assembles them into the stacked params
+pytree; `save_hf` writes params back as a directory that ``transformers`` loads. The
+tensor names live in `interop.tables`, the config keys in `interop.hf_config`.
+
+Example:
+    >>> config, params = load_hf("gpt2-dir")              # params["blocks"] leaves are (L, ...)
+    >>> logits = models.build(config).apply({"params": params}, tokens)
+    >>> save_hf(params, config, "gpt2-again")              # transformers.AutoModelForCausalLM loads it
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from interop.errors import (
+    CheckpointFilesError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+    UnknownArchitectureError,
+)
+from interop.files import SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX, TensorFiles, write_safetensors
+from interop.hf_config import from_hf_config, to_hf_config
+from interop.tables import BY_ARCH, FUSE_AXIS, TABLES, ArchTable, Rule, hf_shape, to_hf, to_zinfjax
+from zinfjax import models
+from zinfjax.models import ModelConfig
+
+CONFIG = "config.json"
+
+
+class Tensor(NamedTuple):
+    """One zinfjax leaf of one layer: ``path`` like ``"blocks/q/kernel"``, ``layer`` None outside blocks."""
+
+    path: str
+    layer: int | None
+    array: np.ndarray
+
+
+class _Entry(NamedTuple):
+    rule: Rule
+    layer: int | None
+
+
+class HFCheckpoint:
+    """A Hugging Face checkpoint directory, checked whole when opened.
+
+    Raises `UnknownArchitectureError`, `UnsupportedConfigError`, `MissingTensorError`,
+    `UnexpectedTensorError` or `ShapeMismatchError` (each names the key or tensor) before
+    any tensor is read.
+
+    Example:
+        >>> with HFCheckpoint("llama-dir") as ckpt:
+        ...     stores = make_stores(ckpt.config, ckpt.like)        # stacked shapes and dtypes
+        ...     for path, layer, array in ckpt.tensors():
+        ...         stores[path].write(layer, array)
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.config = from_hf_config(_read_json(os.path.join(directory, CONFIG)))
+        self.table = BY_ARCH[self.config.arch]
+        self._files = TensorFiles.open(directory)
+        try:
+            self._plan = self._check()
+        except BaseException:
+            self._files.close()
+            raise
+
+    @property
+    def like(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Every zinfjax leaf path with its stacked shape and the checkpoint's dtype."""
+        dtypes = {p: self._files.dtype(name) for name, e in self._plan for p in e.rule.paths}
+        return {p: jax.ShapeDtypeStruct(s, dtypes[p]) for p, s in zinfjax_shapes(self.config).items()}
+
+    def tensors(self) -> Iterator[Tensor]:
+        """Reads the checkpoint one HF tensor at a time, in file order; a fused tensor yields its parts."""
+        shapes = zinfjax_shapes(self.config)
+        for name, (rule, layer) in self._plan:
+            a = self._files.get(name)
+            zshapes = [_layer_shape(shapes, p) for p in rule.paths]
+            sizes = [hf_shape(rule.layout, z, rule.in_axes)[FUSE_AXIS[rule.layout]] for z in zshapes]
+            parts = np.split(a, np.cumsum(sizes)[:-1], axis=FUSE_AXIS[rule.layout]) if len(sizes) > 1 else [a]
+            for path, part, zshape in zip(rule.paths, parts, zshapes, strict=True):
+                yield Tensor(path, layer, to_zinfjax(rule.layout, part, zshape))
+
+    def close(self) -> None:
+        self._files.close()
+
+    def __enter__(self) -> HFCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check(self) -> list[tuple[str, _Entry]]:
+        names = self._files.names()
+        expected = _expected(self.table, self.config, _body(self.table, names))
+        present = set(names)
+        where = f"{self.directory} ({self.table.model_type}, {self.config.n_layers} layers)"
+        missing = [n for n, e in expected.items() if e.rule.paths and n not in present]
+        if missing:
+            raise MissingTensorError(f"{where} lacks {_some(missing)}")
+        unexpected = [n for n in names if n not in expected]
+        if unexpected:
+            raise UnexpectedTensorError(f"{where} holds tensors that zinfjax does not map: {_some(unexpected)}")
+        shapes = zinfjax_shapes(self.config)
+        for name in names:
+            want, got = _hf_shape(expected[name], shapes), self._files.shape(name)
+            if expected[name].rule.paths and got != want:
+                raise ShapeMismatchError(f"{where}: tensor {name} has shape {got}, but config.json implies {want}")
+        return [(n, expected[n]) for n in names if expected[n].rule.paths]
+
+
+def load_hf(directory: str) -> tuple[ModelConfig, dict]:
+    """Reads an HF checkpoint directory as a zinfjax `ModelConfig` and stacked params of numpy arrays.
+
+    Example:
+        >>> config, params = load_hf("MiniLM-dir")
+        >>> out = models.build(config).apply({"params": params}, BertInputs(ids, mask, types))
+    """
+    with HFCheckpoint(directory) as ckpt:
+        flat = {p: np.empty(s.shape, s.dtype) for p, s in ckpt.like.items()}
+        for path, layer, array in ckpt.tensors():
+            flat[path][... if layer is None else layer] = array
+        return ckpt.config, traverse_util.unflatten_dict(flat, sep="/")
+
+
+def save_hf(params: Any, config: ModelConfig, directory: str) -> None:
+    """Writes zinfjax params as an HF directory (config.json, model.safetensors) that transformers loads.
+
+    GPT-2 and Llama are written as ``GPT2LMHeadModel`` / ``LlamaForCausalLM``, BERT as ``BertModel``.
+    The values are moved, never changed: a checkpoint read by `load_hf` comes back bit for bit.
+
+    Example:
+        >>> save_hf(params, config, "out/")
+        >>> transformers.AutoModelForCausalLM.from_pretrained("out/")
+    """
+    if config.arch not in BY_ARCH:
+        raise UnknownArchitectureError(f"zinfjax cannot export arch {config.arch!r}; supported: {', '.join(BY_ARCH)}")
+    table = BY_ARCH[config.arch]
+    flat = _check_params(params, config)
+    stale = [f for f in (SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX) if os.path.exists(os.path.join(directory, f))]
+    if stale:
+        raise CheckpointFilesError(f"{directory} already holds {', '.join(stale)}: write to an empty directory")
+    tensors = {}
+    for name, (rule, layer) in _expected(table, config, table.bodies[0]).items():
+        parts = [to_hf(rule.layout, flat[p] if layer is None else flat[p][layer], rule.in_axes) for p in rule.paths]
+        if parts:
+            tensors[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=FUSE_AXIS[rule.layout])
+    os.makedirs(directory, exist_ok=True)
+    write_safetensors(os.path.join(directory, SAFETENSORS), tensors)
+    dtype = np.dtype(flat[table.rules[0].paths[0]].dtype).name
+    _write_json(os.path.join(directory, CONFIG), to_hf_config(config, dtype))
+
+
+@functools.cache
+def zinfjax_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The stacked shape of every leaf of the zinfjax model for ``config``, by path (nothing is allocated).
+
+    Example:
+        >>> zinfjax_shapes(ModelConfig.named("gpt2-tiny"))["blocks/q/kernel"]
+        (4, 64, 8, 8)
+    """
+    model = models.build(config)
+    tree = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+    shapes = {p: tuple(x.shape) for p, x in traverse_util.flatten_dict(tree, sep="/").items()}
+    table = BY_ARCH[config.arch]
+    mapped = sorted(p for r in table.active(config.tied) for p in r.paths)
+    if mapped != sorted(shapes):  # a bug in the table, not in the user's input
+        raise AssertionError(f"the {table.model_type} table maps {mapped}, the model has {sorted(shapes)}")
+    return shapes
+
+
+def _check_params(params: Any, config: ModelConfig) -> dict[str, np.ndarray]:
+    flat = traverse_util.flatten_dict(dict(params), sep="/")
+    shapes = zinfjax_shapes(config)
+    missing = [p for p in shapes if p not in flat]
+    if missing:
+        raise MissingTensorError(f"params lack {_some(missing)}, which the {config.arch} model has")
+    unexpected = [p for p in flat if p not in shapes]
+    if unexpected:
+        raise UnexpectedTensorError(f"params hold leaves the {config.arch} model does not have: {_some(unexpected)}")
+    for p, want in shapes.items():
+        if tuple(flat[p].shape) != want:
+            raise ShapeMismatchError(f"params leaf {p} has shape {tuple(flat[p].shape)}, the config implies {want}")
+    return {p: np.asarray(flat[p]) for p in shapes}
+
+
+def _expected(table: ArchTable, config: ModelConfig, body: str) -> dict[str, _Entry]:
+    """Every HF name the config implies, in the table's order, for the body prefix ``body``."""
+    out = {}
+    for rule in table.active(config.tied):
+        for i in range(config.n_layers) if rule.per_layer else [None]:
+            out[("" if rule.top else body) + rule.hf.format(i=i)] = _Entry(rule, i)
+    return out
+
+
+def _body(table: ArchTable, names: list[str]) -> str:
+    """The body prefix the checkpoint uses: the one its first tensor (the embedding) is found under."""
+    present = set(names)
+    return next((b for b in table.bodies if b + table.rules[0].hf in present), table.bodies[0])
+
+
+def _layer_shape(shapes: dict[str, tuple[int, ...]], path: str) -> tuple[int, ...]:
+    return shapes[path][1:] if path.startswith("blocks/") else shapes[path]
+
+
+def _hf_shape(entry: _Entry, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    rule = entry.rule
+    hf = [hf_shape(rule.layout, _layer_shape(shapes, p), rule.in_axes) for p in rule.paths]
+    if len(hf) <= 1:
+        return hf[0] if hf else ()
+    axis = FUSE_AXIS[rule.layout]
+    return tuple(sum(s[axis] for s in hf) if k == axis else n for k, n in enumerate(hf[0]))
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+    return f"{len(names)} tensor{'s' if len(names) > 1 else ''}: {shown}"
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        raise CheckpointFilesError(f"{path} is missing: a Hugging Face model directory needs its config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+__all__ = ["HFCheckpoint", "TABLES", "Tensor", "load_hf", "save_hf", "zinfjax_shapes"]
