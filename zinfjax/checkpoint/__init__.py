@@ -18,9 +18,10 @@ from zinfjax.checkpoint.errors import (
 from zinfjax.checkpoint.format import complete_steps, read_meta
 from zinfjax.checkpoint.manager import CheckpointManager, latest_checkpoint
 from zinfjax.checkpoint.restore import CheckpointSource
+from zinfjax.checkpoint.writer import CheckpointWriter, expected_leaves
 
 __all__ = [
     "CheckpointCorruptError", "CheckpointError", "CheckpointManager", "CheckpointMismatchError",
-    "CheckpointNotFoundError", "CheckpointSaveError", "CheckpointSource", "complete_steps", "latest_checkpoint",
-    "read_meta",
+    "CheckpointNotFoundError", "CheckpointSaveError", "CheckpointSource", "CheckpointWriter", "complete_steps",
+    "expected_leaves", "latest_checkpoint", "read_meta",
 ]

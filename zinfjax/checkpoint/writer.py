@@ -1,0 +1,163 @@
+"""Writing a checkpoint from host arrays, one layer of one leaf at a time: what converters need.
+
+A converter (a Hugging Face or DeepSpeed checkpoint, a torch ``state_dict``) holds one tensor at a
+time. `CheckpointWriter` takes each as it comes and writes its chunks at once, so memory stays at
+one tensor whatever the model's size; `commit` checks that every chunk was written, then makes the
+checkpoint visible as `CheckpointManager` does (metadata, syncfs, one rename).
+
+Example:
+    >>> leaves = expected_leaves(abstract_params, make_optimizer(config))
+    >>> with CheckpointWriter("runs/converted", step=0, leaves=leaves, config=config, model=model_config) as w:
+    ...     w.write("params", "blocks.fc.kernel", 3, fc_kernel_of_layer_3)
+    ...     ...
+    >>> zinfjax.wrap(train_state, config, restore="runs/converted")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zinfjax.checkpoint import format as fmt
+from zinfjax.checkpoint.errors import CheckpointError
+from zinfjax.checkpoint.snapshot import Leaf
+from zinfjax.store import chunkfile
+from zinfjax.store.layout import leaf_names
+from zinfjax.store.nvme import aligned_empty
+
+GROUPS = ("embed", "blocks", "head")
+
+
+def expected_leaves(abstract_params, tx) -> dict[str, dict[str, Leaf]]:
+    """Every leaf a checkpoint of these parameters (blocks stacked) and this optax transformation holds.
+
+    Parameters are fp32 (the master weights); the optimizer state is ``tx.init`` of each group,
+    per layer for blocks, as the engine keeps it. Chunks are whole layers.
+
+    Example:
+        >>> expected_leaves(abstract, optax.adamw(1e-3))["opt_state"]["blocks.0.mu.fc.kernel"].meta["shape"]
+        [4, 64, 256]
+    """
+    from zinfjax.engine.stores import opt_like
+
+    f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.float32), abstract_params)
+    trees = {"params": {g: f32[g] for g in GROUPS}, "opt_state": opt_like(tx, f32)}
+    out: dict[str, dict[str, Leaf]] = {}
+    for item, groups in trees.items():
+        out[item] = {}
+        for g in GROUPS:
+            paths = jax.tree_util.tree_flatten_with_path(groups[g])[0]
+            for (path, x), name in zip(paths, leaf_names(groups[g]), strict=True):
+                chunk = (1, *x.shape[1:]) if g == "blocks" else x.shape
+                leaf = Leaf(item, f"{g}.{name}", fmt.key_path(g, path), fmt.leaf_metadata(x.shape, x.dtype, chunk))
+                out[item][leaf.name] = leaf
+    return out
+
+
+class CheckpointWriter:
+    """A checkpoint at ``<save_dir>/<step>`` written leaf by leaf, visible only after `commit`.
+
+    ``config`` (a `Config`) and ``model`` (a `ModelConfig`) are recorded for ``zinfjax ckpt info``
+    and for resuming; ``data_position`` is where a resumed run takes its next batch.
+    """
+
+    def __init__(self, save_dir: str, step: int, leaves: dict[str, dict[str, Leaf]], config=None, model=None,
+                 data_position: int = 0):
+        self.save_dir, self.step, self.leaves = os.path.abspath(save_dir), int(step), leaves
+        self.config, self.model, self.data_position = config, model, data_position
+        self.tmp = os.path.join(self.save_dir, f".tmp-{self.step}")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        os.makedirs(self.tmp)
+        self._written: set[tuple[str, str, int | None]] = set()
+        self.bytes_written = 0
+
+    def write(self, item: str, name: str, layer: int | None, array) -> None:
+        """Writes one leaf's ``layer`` (blocks) or the whole leaf (``layer=None``: embed and head)."""
+        leaf = self._leaf(item, name)
+        array = np.asarray(array)
+        want = leaf.meta["shape"][1:] if layer is not None else leaf.meta["shape"]
+        if list(array.shape) != want or array.dtype != np.dtype(leaf.meta["dtype"]):
+            raise CheckpointError(f"{item}/{name}{'' if layer is None else f' layer {layer}'}: got "
+                                  f"{array.dtype.name}{list(array.shape)}, the checkpoint needs "
+                                  f"{leaf.meta['dtype']}{want}")
+        nbytes = array.nbytes
+        slot = aligned_empty((chunkfile.slot_bytes(nbytes),), np.uint8, chunkfile.BLOCK)
+        slot[:nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        index = (layer, *[0] * len(want)) if layer is not None else (0,) * len(want)
+        path = chunkfile.chunk_path(os.path.join(self.tmp, item, name), index)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        chunkfile.write_chunks([(path, slot, nbytes)], sync=False, atomic=True)
+        self._written.add((item, name, layer))
+        self.bytes_written += nbytes
+
+    def _leaf(self, item: str, name: str) -> Leaf:
+        try:
+            return self.leaves[item][name]
+        except KeyError:
+            raise CheckpointError(f"{item}/{name} is not a leaf of this checkpoint; its leaves are "
+                                  f"{', '.join(sorted(self.leaves.get(item, {})))}") from None
+
+    def missing(self) -> list[str]:
+        """The chunks not written yet, as ``item/name[layer]``."""
+        out = []
+        for item, leaves in self.leaves.items():
+            for name, leaf in leaves.items():
+                layers = range(leaf.meta["shape"][0]) if name.startswith("blocks.") else [None]
+                out += [f"{item}/{name}" + ("" if i is None else f"[{i}]") for i in layers
+                        if (item, name, i) not in self._written]
+        return out
+
+    def commit(self) -> str:
+        """Checks every chunk is there, writes the metadata and makes the checkpoint visible; returns its path."""
+        from zinfjax.checkpoint.manager import _commit, _syncfs, _write_metadata
+
+        missing = self.missing()
+        if missing:
+            raise CheckpointError(f"{len(missing)} chunks were never written, e.g. {', '.join(missing[:5])}")
+        parts = [_Part(item, [leaf for leaf in leaves.values()]) for item, leaves in self.leaves.items()]
+        _write_metadata(self.tmp, parts, self._meta())
+        _syncfs(self.tmp)
+        final = fmt.step_dir(self.save_dir, self.step)
+        _commit(self.tmp, final)
+        return final
+
+    def _meta(self) -> dict:
+        def nbytes(item):
+            return sum(int(np.prod(leaf.meta["shape"])) * np.dtype(leaf.meta["dtype"]).itemsize
+                       for leaf in self.leaves[item].values())
+
+        blocks = [leaf for leaf in self.leaves["params"].values() if leaf.name.startswith("blocks.")]
+        config = self.config.to_dict() if self.config is not None else {}
+        return {
+            "format_version": fmt.FORMAT_VERSION, "step": self.step, "data_position": self.data_position,
+            "seed": config.get("seed", 0), "loss_scale": 1.0, "precision": config.get("precision", "fp32"),
+            "num_layers": blocks[0].meta["shape"][0] if blocks else 0, "processes": 1, "devices": 0,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config,
+            "model": dataclasses.asdict(self.model) if dataclasses.is_dataclass(self.model) else None,
+            "tiers": {"converted": {"bytes": nbytes("params") + nbytes("opt_state"), "stores": list(fmt.ITEMS)}},
+            "items": {item: {n: leaf.meta for n, leaf in leaves.items()} for item, leaves in self.leaves.items()},
+        }
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+@dataclasses.dataclass
+class _Part:
+    item: str
+    leaves: list[Leaf]
