@@ -12,6 +12,7 @@ from zinfjax.checkpoint import CheckpointManager
 from zinfjax.config import Config
 from zinfjax.engine import Engine, NotElementwiseError
 from zinfjax.errors import ConfigError, UserError
+from zinfjax.inference import Sampling, evaluate, generate
 from zinfjax.models.layered import LayeredConventionError, Layers
 from zinfjax.wrap import WrappedState, wrap
 
@@ -19,5 +20,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointManager", "Config", "ConfigError", "Engine", "LayeredConventionError", "Layers", "NotElementwiseError",
-    "UserError", "WrappedState", "__version__", "tune_allocator", "wrap",
+    "Sampling", "UserError", "WrappedState", "__version__", "evaluate", "generate", "tune_allocator", "wrap",
 ]

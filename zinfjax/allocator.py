@@ -47,6 +47,24 @@ def tune_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, arenas: int = 1
     return bool(mallopt(M_ARENA_MAX, arenas)) and bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold))
 
 
+def trim() -> bool:
+    """Returns the heap's free memory to the system (glibc ``malloc_trim``); whether anything was released.
+
+    The engine calls it once the state is written and once its first step has compiled: XLA's
+    compiler frees hundreds of MB of scratch memory that glibc would otherwise keep mapped under
+    the steps that follow. Elsewhere than glibc it does nothing.
+
+    Example:
+        >>> trim()
+        True
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def describe(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, arenas: int = 1) -> str:
     """The settings as the benchmarks report them."""
     return f"glibc malloc: {arenas} arena(s), M_MMAP_THRESHOLD fixed at {mmap_threshold >> 20} MiB"

@@ -102,11 +102,12 @@ def _launch(args) -> int:
 
 
 def add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks that print JSON (io, step, capacity)",
+    p = sub.add_parser("bench", help="benchmarks that print JSON (io, step, capacity, generate)",
                        description="Benchmarks. Each prints one JSON object; see docs/BENCHMARKS.md.")
-    p.add_argument("name", choices=["io", "step", "capacity"],
+    p.add_argument("name", choices=["io", "step", "capacity", "generate"],
                    help="io: the nvme tier against raw O_DIRECT disk throughput; step: reference vs engine on "
-                   "device, host and nvme tiers against the I/O floor; capacity: a state far larger than memory")
+                   "device, host and nvme tiers against the I/O floor; capacity: a state far larger than memory; "
+                   "generate: tokens/s with parameters in memory, on host and on nvme at batch sizes 1, 8, 64")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (see `zinfjax bench io -h`)")
     p.set_defaults(func=_bench)
 
@@ -148,6 +149,92 @@ def _ckpt(args) -> int:
     return 0
 
 
+def _tier_overrides(p) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config key, e.g. params=nvme, kv_cache=host, nvme_path=/mnt/nvme/gen, precision=bf16, "
+                   "prefetch_depth=2 (see `zinfjax train --help` for every key)")
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="generate text from a checkpoint, parameters streamed from their tier",
+        description="Generate tokens after a prompt with the parameters streamed from their tier (params=...) for "
+        "every decoding step and a KV cache per layer on its own tier (kv_cache=...). The sequences of a batch pass "
+        "through each layer together (batch-major), so one read of a layer serves the whole batch.",
+        epilog="examples:\n  zinfjax generate runs/ckpt --prompt 'The ' --max-new-tokens 40\n"
+        "  zinfjax generate runs/ckpt --prompt-ids 1,2,3 --json --batch-size 8 --temperature 0.8 --top-p 0.9 "
+        "--set params=nvme --set nvme_path=/mnt/nvme/gen",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a zinfjax checkpoint: a save_dir (its newest step) or <save_dir>/<step>; "
+                   "`zinfjax convert` makes one from a Hugging Face model")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text (tokenized by --tokenizer)")
+    prompt.add_argument("--prompt-ids", help="the prompt as comma-separated token ids")
+    p.add_argument("--tokenizer", default="bytes", help="'bytes' (the byte-level models and the demo corpus), or a "
+                   "Hugging Face tokenizer directory")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (the prompt repeated)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample within the nucleus of probability p (1: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    p.add_argument("--json", action="store_true", help="print the token ids and the figures as JSON")
+    _tier_overrides(p)
+    p.set_defaults(func=_generate)
+
+
+def _generate(args) -> int:
+    import json
+
+    from zinfjax.config import Config
+    from zinfjax.inference import Sampling, generate
+    from zinfjax.inference.params import checkpoint_model
+    from zinfjax.inference.tokenizer import load_tokenizer
+
+    config = Config.load(None, args.overrides)
+    _, model = checkpoint_model(args.checkpoint)
+    tokenizer = load_tokenizer(args.tokenizer, model.vocab_size)
+    ids = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else tokenizer.encode(args.prompt)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    result = generate(args.checkpoint, [ids] * args.batch_size, args.max_new_tokens, config, sampling)
+    if args.json:
+        print(json.dumps({"tokens": result.tokens, "metrics": result.metrics}))
+    else:
+        for row in result.tokens:
+            print(tokenizer.decode(row))
+        m = result.metrics
+        print(f"[{m['sequences']} x {m['new_tokens']} tokens, {m['tokens_per_s']:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def add_evaluate(sub) -> None:
+    p = sub.add_parser(
+        "evaluate", help="loss and perplexity of a checkpoint, parameters streamed from their tier",
+        description="Compute the mean token loss and the perplexity of a checkpoint on a token source. Each batch of "
+        "sequences streams every layer once from its tier (params=...).",
+        epilog="examples:\n  zinfjax evaluate runs/ckpt --data demo\n"
+        "  zinfjax evaluate runs/ckpt --data corpus.txt --batches 20 --set params=nvme --set nvme_path=/mnt/nv",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a zinfjax checkpoint (a save_dir or <save_dir>/<step>)")
+    p.add_argument("--data", default="demo", help="'demo', a text file or directory, or a .bin token file")
+    p.add_argument("--batches", type=int, default=8, help="batches to evaluate (batch_size x seq_len tokens each)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    _tier_overrides(p)
+    p.set_defaults(func=_evaluate)
+
+
+def _evaluate(args) -> int:
+    import json
+
+    from zinfjax.config import Config
+    from zinfjax.inference import evaluate
+
+    out = evaluate(args.checkpoint, args.data, Config.load(None, args.overrides), args.batches)
+    print(json.dumps(out) if args.json else f"loss {out['loss']:.4f}, perplexity {out['perplexity']:.3f} over "
+          f"{out['tokens']} tokens ({out['tokens_per_s']:.0f} tokens/s)")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zinfjax", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -156,6 +243,8 @@ def parser() -> argparse.ArgumentParser:
     add_bench(sub)
     add_launch(sub)
     add_ckpt(sub)
+    add_generate(sub)
+    add_evaluate(sub)
     return p
 
 

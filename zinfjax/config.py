@@ -42,6 +42,7 @@ class Config:
     optimizer: str = "device"
     gradients: str = "device"
     activations: str = "device"
+    kv_cache: str = "device"
     nvme_path: str | None = None
     prefetch_depth: int = 2
     host_buffer_bytes: int = 1 << 30
@@ -130,7 +131,7 @@ class Config:
 
     @property
     def uses_nvme(self) -> bool:
-        return any(getattr(self, k) == "nvme" for k in TIER_KEYS)
+        return any(getattr(self, k) == "nvme" for k in (*TIER_KEYS, "kv_cache"))
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -211,7 +212,7 @@ def _check(ok: bool, message: str) -> None:
 
 def _validate(c: Config) -> None:
     _check(c.stage in (0, 1, 2, 3), f"stage={c.stage!r} is not allowed; use 0, 1, 2 or 3")
-    for key in TIER_KEYS:
+    for key in (*TIER_KEYS, "kv_cache"):
         value = getattr(c, key)
         _check(value in TIERS, f"{key}={value!r} is not allowed; use one of {', '.join(TIERS)}")
     _check(
@@ -264,6 +265,7 @@ KEY_DOCS = {
     "weight_decay": "decoupled weight decay for adamw and lion",
     "seed": "seed of the initial parameters and of the data order",
     "log": "path of the JSON log; a PNG loss curve is written beside it",
+    "kv_cache": "tier of the KV cache of `zinfjax generate`: device, host or nvme",
     "save_dir": "checkpoint directory: <save_dir>/<step>/ (orbax layout; see docs/checkpoint.md)",
     "save_every": "save a checkpoint every N steps (0: only after the last step); needs save_dir",
     "keep_checkpoints": "how many of the newest checkpoints to keep",

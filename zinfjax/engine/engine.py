@@ -26,6 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zinfjax import allocator
 from zinfjax.config import Config
 from zinfjax.engine import progress
 from zinfjax.engine.functions import Layout, make_layer_functions
@@ -90,6 +91,7 @@ class Engine:
         update_layout = Layout(self.rules.canonical(["params", "opt", "master"]), mesh)
         self.updates = {g: make_update(tx, self.compute_dtype, update_layout, g) for g in GROUPS}
         self.step_count = 0
+        self._steps_run = 0
         self.tracer = None  # a zinfjax.engine.trace.Tracer while one is attached
         self._writes: collections.deque = collections.deque()  # writes in flight, oldest first
         # One layer of writes in flight per layer read ahead: reads and writes share the disk.
@@ -107,8 +109,14 @@ class Engine:
         except BaseException:
             self.stores.close()
             raise
+        self._release_scratch()
 
     # ---- set-up ------------------------------------------------------------------------------
+
+    def _release_scratch(self) -> None:
+        """With the state on nvme, memory is the budget: give the compiler's freed scratch back to the system."""
+        if self.config.uses_nvme:
+            allocator.trim()
 
     def _opt_like(self, abstract):
         return opt_like(self.tx, abstract)
@@ -180,6 +188,9 @@ class Engine:
         self.step_count += 0 if skipped else 1
         progress.end(self.config)
         self._telemetry = None
+        if not self._steps_run:
+            self._release_scratch()  # the first step compiled every layer function
+        self._steps_run += 1
         return telemetry.finish(loss=loss, skipped=skipped, loss_scale=self.loss_scale.value)
 
     def _schedule(self, written: set[int]) -> list[list[Read]]:

@@ -23,6 +23,22 @@ def padded_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Arr
     return _attend(q, k, v, key_mask[:, None, None, :])
 
 
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: dict, pos: jax.Array):
+    """Causal attention of new tokens at positions ``pos, pos+1, ...`` over a KV cache; returns (out, cache).
+
+    ``cache`` holds ``k`` and ``v`` of shape (B, T_max, H_kv, D); the new keys and values are written
+    at ``pos`` first, and each new token attends to every position up to its own.
+
+    Example:
+        >>> out, cache = cached_attention(q, k, v, {"k": ck, "v": cv}, jnp.int32(7))   # q (B, 1, H, D)
+    """
+    k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), pos, axis=1)
+    v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), pos, axis=1)
+    q_pos = pos + jnp.arange(q.shape[1])
+    mask = jnp.arange(k.shape[1])[None, :] <= q_pos[:, None]
+    return _attend(q, k.astype(q.dtype), v.astype(q.dtype), mask), {"k": k, "v": v}
+
+
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     groups = q.shape[2] // k.shape[2]
     if groups > 1:

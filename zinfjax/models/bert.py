@@ -144,5 +144,7 @@ class Head(nn.Module):
 class Bert(StackedLM):
     """BERT encoder: ``head(scan(block, embed(tokens)))``; ``tokens`` is (B, T) ids or `BertInputs`."""
 
+    causal = False  # an encoder: no token-by-token decoding
+
     parts = (Embed, Block, Head)
     partition_rules = PARTITION_RULES  # the same q, k, v, attn_out, fc, proj split as GPT-2

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zinfjax.models.attention import causal_attention
+from zinfjax.models.attention import cached_attention, causal_attention
 from zinfjax.models.configs import ModelConfig
 from zinfjax.models.layered import cross_entropy
 from zinfjax.models.stacked import StackedLM
@@ -35,22 +35,26 @@ class Embed(nn.Module):
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
         c = self.config
         wte = nn.Embed(c.vocab_size, c.d_model, embedding_init=normal(0.02), name="wte")
         wpe = nn.Embed(c.max_seq_len, c.d_model, embedding_init=normal(0.01), name="wpe")
-        positions = jnp.arange(tokens.shape[1])[None]
+        positions = (offset + jnp.arange(tokens.shape[1]))[None]
         return (wte(tokens) + wpe(positions)).astype(self.dtype)
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm transformer block. ``__call__`` has the ``nn.scan`` signature."""
+    """One pre-LayerNorm transformer block. ``__call__`` has the ``nn.scan`` signature.
+
+    With a KV ``cache`` (decoding) the tokens of ``h`` sit at positions ``pos, pos+1, ...`` and the
+    second result is the updated cache.
+    """
 
     config: ModelConfig
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, h: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+    def __call__(self, h: jax.Array, _: Any = None, cache: dict | None = None, pos: Any = 0) -> tuple[jax.Array, Any]:
         c = self.config
         dense = partial(nn.DenseGeneral, dtype=self.dtype, kernel_init=normal(0.02))
         out_init = normal(0.02 / math.sqrt(2 * c.n_layers))
@@ -58,12 +62,15 @@ class Block(nn.Module):
         x = norm(name="ln_1")(h)
         heads = (c.n_heads, c.head_dim)
         q, k, v = (dense(heads, name=n)(x) for n in ("q", "k", "v"))
-        a = causal_attention(q, k, v)
+        if cache is None:
+            a = causal_attention(q, k, v)
+        else:
+            a, cache = cached_attention(q, k, v, cache, pos)
         h = h + dense(c.d_model, axis=(-2, -1), kernel_init=out_init, name="attn_out")(a)
         x = norm(name="ln_2")(h)
         x = nn.gelu(dense(c.d_ff, name="fc")(x), approximate=True)
         h = h + dense(c.d_model, kernel_init=out_init, name="proj")(x)
-        return h, None
+        return h, cache
 
 
 class Head(nn.Module):

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zinfjax.models.attention import causal_attention
+from zinfjax.models.attention import cached_attention, causal_attention
 from zinfjax.models.configs import ModelConfig
 from zinfjax.models.layered import cross_entropy
 from zinfjax.models.stacked import StackedLM
@@ -26,11 +26,11 @@ Dtype = Any
 normal = nn.initializers.normal
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
-    """Applies rotary embeddings to (B, T, H, D) in the rotate-half layout."""
+def rotary(x: jax.Array, theta: float, offset: Any = 0) -> jax.Array:
+    """Applies rotary embeddings to (B, T, H, D) at positions ``offset, offset+1, ...`` (rotate-half layout)."""
     t, d = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = (offset + jnp.arange(t)).astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -43,31 +43,36 @@ class Embed(nn.Module):
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, offset: Any = 0) -> jax.Array:
         c = self.config
         wte = nn.Embed(c.vocab_size, c.d_model, embedding_init=normal(0.02), name="wte")
         return wte(tokens).astype(self.dtype)
 
 
 class Block(nn.Module):
-    """One Llama decoder block. ``__call__`` has the ``nn.scan`` signature."""
+    """One Llama decoder block. ``__call__`` has the ``nn.scan`` signature; with a KV ``cache``, see gpt.Block."""
 
     config: ModelConfig
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, h: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+    def __call__(self, h: jax.Array, _: Any = None, cache: dict | None = None, pos: Any = 0) -> tuple[jax.Array, Any]:
         c = self.config
         dense = partial(nn.DenseGeneral, use_bias=False, dtype=self.dtype, kernel_init=normal(0.02))
         norm = partial(nn.RMSNorm, epsilon=c.norm_eps, dtype=self.dtype)
         x = norm(name="attn_norm")(h)
-        q = rotary(dense((c.n_heads, c.head_dim), name="q")(x), c.rope_theta)
-        k = rotary(dense((c.kv_heads, c.head_dim), name="k")(x), c.rope_theta)
+        offset = 0 if cache is None else pos
+        q = rotary(dense((c.n_heads, c.head_dim), name="q")(x), c.rope_theta, offset)
+        k = rotary(dense((c.kv_heads, c.head_dim), name="k")(x), c.rope_theta, offset)
         v = dense((c.kv_heads, c.head_dim), name="v")(x)
-        h = h + dense(c.d_model, axis=(-2, -1), name="attn_out")(causal_attention(q, k, v))
+        if cache is None:
+            a = causal_attention(q, k, v)
+        else:
+            a, cache = cached_attention(q, k, v, cache, pos)
+        h = h + dense(c.d_model, axis=(-2, -1), name="attn_out")(a)
         x = norm(name="mlp_norm")(h)
         x = nn.silu(dense(c.d_ff, name="gate")(x)) * dense(c.d_ff, name="up")(x)
-        return h + dense(c.d_model, name="down")(x), None
+        return h + dense(c.d_model, name="down")(x), cache
 
 
 class Head(nn.Module):

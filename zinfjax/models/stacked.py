@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -23,6 +24,7 @@ class StackedLM(nn.Module):
     dtype: Any = jnp.float32
     parts: ClassVar[tuple[type, type, type]]
     partition_rules: ClassVar[tuple] = ()  # tensor parallelism; see `Layers.partition_rules`
+    causal: ClassVar[bool] = True  # a language model that can decode token by token (`decoding`)
 
     def setup(self):
         embed, block, head = self.parts
@@ -39,6 +41,45 @@ class StackedLM(nn.Module):
     def layers(self) -> Layers:
         """The embed, block and head functions that zinfjax streams (cached per size)."""
         return _layers(self.parts, self.config, self.dtype, self.partition_rules)
+
+    def decoding(self) -> Decoding | None:
+        """The functions that decode with a KV cache (zinfjax.inference), or None for an encoder."""
+        return _decoding(self.parts, self.config, self.dtype) if self.causal else None
+
+
+class Decoding(NamedTuple):
+    """Token-by-token decoding of a layered causal LM, one layer at a time.
+
+    - ``embed(p_embed, tokens, offset) -> h`` for tokens at positions ``offset, offset+1, ...``;
+    - ``block(p_block_i, h, cache, pos) -> (h, cache)`` attends over and updates the layer's KV cache;
+    - ``head(p_head, p_embed, h) -> logits``;
+    - ``cache_like(batch, max_len, dtype)``: one layer's empty cache, as ``ShapeDtypeStruct`` leaves.
+
+    Example:
+        >>> dec = model.decoding()
+        >>> h, cache = dec.block(layer_params, dec.embed(pe, prompt, 0), zeros_cache, jnp.int32(0))
+    """
+
+    embed: Callable
+    block: Callable
+    head: Callable
+    cache_like: Callable
+
+
+@functools.cache
+def _decoding(parts: tuple[type, type, type], c: ModelConfig, dt) -> Decoding:
+    embed, block, head = parts
+
+    def cache_like(batch: int, max_len: int, dtype=dt):
+        shape = (batch, max_len, c.kv_heads, c.head_dim)
+        return {"k": jax.ShapeDtypeStruct(shape, dtype), "v": jax.ShapeDtypeStruct(shape, dtype)}
+
+    return Decoding(
+        embed=lambda p, tokens, offset: embed(c, dt).apply({"params": p}, tokens, offset),
+        block=lambda p, h, cache, pos: block(c, dt).apply({"params": p}, h, None, cache=cache, pos=pos),
+        head=lambda ph, pe, h: head(c, dt).apply({"params": ph}, h, pe, None),
+        cache_like=cache_like,
+    )
 
 
 @functools.cache

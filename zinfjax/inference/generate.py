@@ -1,0 +1,187 @@
+"""Generation with parameters streamed from their tier, batch-major, with a KV cache per layer on a tier.
+
+Every decoding step streams the whole model once: embed, each block, head, each read ahead of
+the compute that needs it (`ReadAhead`, ``config.prefetch_depth`` groups). All the sequences of
+a batch pass through layer ``i`` before layer ``i + 1`` is read (FlexGen's batch-major order), so
+one read of a layer's parameters serves every sequence, and throughput rises with the batch
+size until compute dominates. Each layer's KV cache, for the whole batch, lives in its own store
+on ``config.kv_cache`` (device, host or nvme) and is read and written back with its layer.
+
+Example:
+    >>> result = generate("runs/ckpt", [[72, 101, 108]], max_new_tokens=20,
+    ...                   config=Config(params="nvme", nvme_path="/mnt/nvme/gen"))
+    >>> result.tokens[0][:3]
+    [72, 101, 108]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zinfjax import models
+from zinfjax.config import Config
+from zinfjax.engine.engine import COMPUTE_DTYPES
+from zinfjax.engine.readahead import Read, ReadAhead
+from zinfjax.engine.stores import SCRATCH_NVME
+from zinfjax.errors import ConfigError
+from zinfjax.inference.params import ParamStores
+from zinfjax.inference.sampling import Sampling, next_tokens
+from zinfjax.models import ModelConfig
+from zinfjax.store import open_store
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """The prompts followed by their new tokens (``tokens``, one list per sequence), and the figures."""
+
+    tokens: list[list[int]]
+    metrics: dict
+
+
+class Generator:
+    """Decodes a batch of equal-length prompts; see the module docstring.
+
+    Example:
+        >>> gen = Generator(model_config, param_stores, config, batch=8, max_len=128)
+        >>> tokens, metrics = gen.run(prompts, max_new_tokens=32, sampling=Sampling())
+    """
+
+    def __init__(self, model_config: ModelConfig, params: ParamStores, config: Config, batch: int, max_len: int):
+        if max_len > model_config.max_seq_len:
+            raise ConfigError(f"prompt plus new tokens make {max_len} positions, more than the model's context of "
+                              f"{model_config.max_seq_len}; shorten the prompt or ask for fewer new tokens")
+        model = models.build(model_config, COMPUTE_DTYPES[config.precision])
+        self.dec = model.decoding()
+        if self.dec is None:
+            raise ConfigError(f"a {model_config.arch} model is an encoder and cannot generate; use a causal LM "
+                              "(gpt2, llama)")
+        self.config, self.params, self.batch, self.max_len = config, params, batch, max_len
+        self.num_layers = params.num_layers("blocks")
+        layer = self.dec.cache_like(batch, max_len)
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.num_layers, *x.shape), x.dtype), layer)
+        options = SCRATCH_NVME if config.kv_cache == "nvme" else {}
+        self.cache = open_store(config.kv_cache, like, path=config.nvme_path, name="kv_cache", pool=params.pool,
+                                **options)
+        self._zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), layer)
+        self._fns = _jitted(self.dec)
+
+    def run(self, prompts: np.ndarray, max_new_tokens: int, sampling: Sampling) -> tuple[np.ndarray, dict]:
+        prompts = np.asarray(prompts, np.int32)
+        for i in range(self.num_layers):
+            self.cache.write(i, self._zeros)
+        key = jax.random.key(sampling.seed)
+        stores = [*self.params.stores.values(), self.cache]
+        before = _bytes(stores)
+        out, step_s, stall = [], [], 0.0
+        start = time.perf_counter()
+        tokens, pos = prompts, 0
+        for step in range(max_new_tokens):
+            t0 = time.perf_counter()
+            logits, reads = self._forward(jnp.asarray(tokens), pos)
+            new = next_tokens(logits, jax.random.fold_in(key, step), sampling.temperature, sampling.top_k,
+                              sampling.top_p)
+            out.append(np.asarray(new))
+            stall += reads.stall_s
+            pos += tokens.shape[1]
+            tokens = out[-1][:, None]
+            step_s.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - start
+        moved = {k: v - before.get(k, 0) for k, v in _bytes(stores).items()}
+        generated = np.stack(out, axis=1) if out else np.zeros((len(prompts), 0), np.int32)
+        return np.concatenate([prompts, generated], axis=1), {
+            "sequences": len(prompts), "new_tokens": max_new_tokens, "seconds": seconds,
+            "tokens_per_s": len(prompts) * max_new_tokens / seconds if seconds else 0.0,
+            "first_step_s": step_s[0] if step_s else 0.0,
+            "decode_step_s": float(np.median(step_s[1:])) if len(step_s) > 1 else None,
+            "stall_s": stall, **{f"read_bytes_{t}": b for t, b in moved.items()},
+        }
+
+    def _forward(self, tokens: jax.Array, pos: int):
+        s, L = self.params.stores, self.num_layers
+        groups = [[Read("params_embed", s["embed"], 0)]]
+        groups += [[Read("params_blocks", s["blocks"], i), Read("kv_cache", self.cache, i)] for i in range(L)]
+        groups.append([Read("params_head", s["head"], 0), Read("params_embed", s["embed"], 0)])
+        reads = ReadAhead(groups, self.config.prefetch_depth)
+        embed, block, head = self._fns
+        p_pos = jnp.int32(pos)
+        (pe,) = next(reads)
+        h = embed(pe, tokens, p_pos)
+        for i in range(L):
+            p, cache = next(reads)
+            h, cache = block(p, h, cache, p_pos)
+            self.cache.write(i, cache)
+        ph, pe = next(reads)
+        return head(ph, pe, h), reads
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+@functools.cache
+def _jitted(dec):
+    return (jax.jit(dec.embed), jax.jit(dec.block), jax.jit(lambda ph, pe, h: dec.head(ph, pe, h[:, -1:])[:, 0]))
+
+
+def _bytes(stores) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for store in stores:
+        out[store.tier] = out.get(store.tier, 0) + store.stats.bytes_read
+    return out
+
+
+def generate(source, prompts, max_new_tokens: int, config: Config | None = None, sampling: Sampling | None = None,
+             model: ModelConfig | None = None) -> GenerateResult:
+    """Generates ``max_new_tokens`` after each prompt, parameters streamed from ``config.params``.
+
+    ``source`` is a zinfjax checkpoint (a save_dir or one step, as written by training or by
+    ``zinfjax convert``) or an in-memory parameter tree (then pass ``model``). Prompts are lists
+    of token ids of one length; they are decoded together, batch-major.
+
+    Example:
+        >>> generate("runs/ckpt", [[1, 2, 3]] * 8, 16, Config(params="nvme", nvme_path="/mnt/nv")).tokens[0]
+    """
+    from zinfjax.inference.params import checkpoint_model
+
+    config = config or Config()
+    sampling = sampling or Sampling()
+    prompts = check_prompts(prompts)
+    if isinstance(source, str):
+        _, model = checkpoint_model(source)
+        params = ParamStores.from_checkpoint(source, abstract_params(model), config)
+    else:
+        if model is None:
+            raise ConfigError("generate from a parameter tree needs its model: generate(params, ..., model=config)")
+        params = ParamStores.from_tree(source, config)
+    try:
+        gen = Generator(model, params, config, len(prompts), prompts.shape[1] + max_new_tokens)
+        try:
+            tokens, metrics = gen.run(prompts, max_new_tokens, sampling)
+        finally:
+            gen.close()
+    finally:
+        params.close()
+    return GenerateResult([list(map(int, row)) for row in tokens], metrics)
+
+
+def check_prompts(prompts) -> np.ndarray:
+    """Prompts as a (B, T) int32 array; they must share one length (decode them in groups of equal length)."""
+    rows = [list(p) for p in prompts]
+    if not rows or not rows[0]:
+        raise ConfigError("no prompt: give at least one token")
+    if len({len(r) for r in rows}) > 1:
+        raise ConfigError(f"prompts of lengths {sorted({len(r) for r in rows})}: a batch decodes prompts of one "
+                          "length; group them by length")
+    return np.asarray(rows, np.int32)
+
+
+@functools.cache
+def abstract_params(model: ModelConfig):
+    """The parameter tree of ``model`` as ``ShapeDtypeStruct`` leaves (no memory)."""
+    m = models.build(model)
+    return jax.eval_shape(lambda: m.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])

@@ -1,0 +1,121 @@
+"""Parameters for inference: stores of the compute copy on a tier, filled from a checkpoint or a tree.
+
+Inference streams only the parameters (no master weights, no optimizer state), so it opens one
+store per group (embed, blocks, head) on ``config.params`` and fills it one layer at a time:
+from a zinfjax checkpoint (a training run's, or one written by ``zinfjax convert``), read through
+tensorstore with every chunk's crc32c checked, or from an in-memory parameter tree.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zinfjax.checkpoint import format as fmt
+from zinfjax.checkpoint.errors import CheckpointError
+from zinfjax.checkpoint.manager import latest_checkpoint
+from zinfjax.config import Config
+from zinfjax.engine.engine import COMPUTE_DTYPES
+from zinfjax.engine.stores import SCRATCH_NVME
+from zinfjax.models import ModelConfig
+from zinfjax.store import BufferPool, open_store
+
+GROUPS = ("embed", "blocks", "head")
+
+
+def checkpoint_model(path: str) -> tuple[str, ModelConfig]:
+    """The checkpoint directory ``path`` names and the model it was saved with.
+
+    Example:
+        >>> checkpoint_model("runs/demo/ckpt")[1].arch
+        'gpt2'
+    """
+    directory = latest_checkpoint(path)
+    meta = fmt.read_meta(directory)
+    if not meta.get("items", {}).get("params"):
+        raise CheckpointError(f"{directory} holds no parameters; give a training checkpoint or one written by "
+                              "`zinfjax convert`")
+    model = meta.get("model")
+    if not model or "arch" not in model:
+        raise CheckpointError(f"{directory} does not record its model (it was saved without one); save through "
+                              "`zinfjax train` or `zinfjax convert`, which record it")
+    return directory, ModelConfig(**model)
+
+
+class ParamStores:
+    """The parameter stores of one model on one tier, as ``stores[group]``.
+
+    Example:
+        >>> ps = ParamStores.from_checkpoint("runs/ckpt", model, config)
+        >>> layer = ps.stores["blocks"].read(3).result()
+    """
+
+    def __init__(self, abstract, config: Config, name: str = "infer"):
+        self.config = config
+        self.dtype = COMPUTE_DTYPES[config.precision]
+        self.pool = BufferPool(config.host_buffer_bytes)
+        self.stores = {}
+        for g in GROUPS:
+            like = jax.tree.map(functools.partial(self._stacked, stacked=g == "blocks"), abstract[g])
+            options = SCRATCH_NVME if config.params == "nvme" else {}
+            self.stores[g] = open_store(config.params, like, path=config.nvme_path, name=f"{name}_{g}",
+                                        pool=self.pool, **options)
+
+    def _stacked(self, x, stacked: bool) -> jax.ShapeDtypeStruct:
+        dtype = self.dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+        return jax.ShapeDtypeStruct(x.shape if stacked else (1, *x.shape), dtype)
+
+    @classmethod
+    def from_tree(cls, params, config: Config) -> ParamStores:
+        ps = cls(params, config)
+        for g in GROUPS:
+            for i in range(ps.num_layers(g)):
+                ps.write(g, i, jax.tree.map(operator.itemgetter(i), params[g]) if g == "blocks" else params[g])
+        ps.flush()
+        return ps
+
+    @classmethod
+    def from_checkpoint(cls, path: str, abstract, config: Config) -> ParamStores:
+        import tensorstore as ts
+
+        directory = latest_checkpoint(path)
+        ps = cls(abstract, config)
+        for g in GROUPS:
+            paths = jax.tree_util.tree_flatten_with_path(abstract[g])[0]
+            treedef = jax.tree_util.tree_structure(abstract[g])
+            arrays = []
+            for keypath, _ in paths:
+                name = ".".join(str(k) for k in fmt.key_path(g, keypath))
+                leaf_dir = os.path.join(directory, "params", name)
+                if not os.path.isdir(leaf_dir):
+                    raise CheckpointError(f"{directory} has no parameter {name}: it was saved from another model")
+                arrays.append(ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": leaf_dir}},
+                                      open=True).result())
+            for i in range(ps.num_layers(g)):
+                leaves = [(a[i] if g == "blocks" else a).read().result() for a in arrays]
+                ps.write(g, i, jax.tree_util.tree_unflatten(treedef, leaves))
+        ps.flush()
+        return ps
+
+    def num_layers(self, group: str) -> int:
+        return self.stores[group].num_layers
+
+    def write(self, group: str, i: int, tree) -> None:
+        def cast(x):
+            x = np.asarray(x)
+            return x.astype(self.dtype) if np.issubdtype(x.dtype, np.floating) else x
+
+        self.stores[group].write(i if group == "blocks" else 0, jax.tree.map(cast, tree)).result()
+
+    def flush(self) -> None:
+        for s in self.stores.values():
+            s.flush()
+
+    def close(self) -> None:
+        for s in self.stores.values():
+            s.close()
