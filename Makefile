@@ -16,7 +16,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q --durations=15
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15  # two workers: one per core; a file's tests share one
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
