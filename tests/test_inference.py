@@ -113,6 +113,11 @@ def test_bad_input_is_refused_clearly(trained_checkpoint, tmp_path):
     empty.mkdir()
     with pytest.raises(UserError, match="no complete checkpoint"):
         generate(str(empty), [[1]], 2, Config())
+    no_params = tmp_path / "no_params" / "0"
+    no_params.mkdir(parents=True)
+    (no_params / "zinfjax.json").write_text(json.dumps({"step": 0, "items": {"params": {}, "opt_state": {}}}))
+    with pytest.raises(UserError, match="holds no parameters"):
+        generate(str(no_params.parent), [[1]], 2, Config())
     cli = [sys.executable, "-m", "zinfjax.cli", "generate", path, "--prompt", "Hi", "--tokenizer", "nope"]
     out = subprocess.run(cli, capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.startswith("zinfjax: error: unknown tokenizer 'nope'")
