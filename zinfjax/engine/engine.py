@@ -94,8 +94,9 @@ class Engine:
         self._steps_run = 0
         self.tracer = None  # a zinfjax.engine.trace.Tracer while one is attached
         self._writes: collections.deque = collections.deque()  # writes in flight, oldest first
-        # One layer of writes in flight per layer read ahead: reads and writes share the disk.
-        self._max_writes = WRITES_PER_LAYER * max(1, config.prefetch_depth)
+        # A layer of writes in flight per layer read ahead, and at least two: reads and writes share the disk,
+        # and with one the next layer's update waits for the last write to land (docs/BENCHMARKS.md).
+        self._max_writes = WRITES_PER_LAYER * max(2, config.prefetch_depth)
         self._sumsq_parts: list = []
         self._telemetry: StepTelemetry | None = None  # the step in progress
         self.data_sharding = NamedSharding(mesh, P(None, "data"))
