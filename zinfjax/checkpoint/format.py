@@ -26,6 +26,8 @@ import os
 import jax
 import numpy as np
 
+from zinfjax.store import manifest
+
 ITEMS = ("params", "opt_state")
 META = "zinfjax.json"
 ORBAX_METADATA = "_METADATA"
@@ -100,12 +102,7 @@ def key_path(group: str, path) -> tuple:
 
 def write_json(path: str, value) -> None:
     """Writes JSON durably: a temporary file, fsync, rename."""
-    temp = f"{path}.tmp"
-    with open(temp, "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
+    manifest.write_json(path, value)
 
 
 def read_meta(directory: str) -> dict:

@@ -26,6 +26,7 @@ from zinfjax.checkpoint.errors import CheckpointNotFoundError, CheckpointSaveErr
 from zinfjax.checkpoint.snapshot import Part, Snapshot, parts_of
 from zinfjax.distributed import barrier
 from zinfjax.store.disk import free_bytes, is_disk_full
+from zinfjax.store.manifest import fsync_dir
 from zinfjax.units import format_bytes
 
 
@@ -221,11 +222,7 @@ def _commit(tmp: str, final: str) -> None:
     if os.path.exists(final):  # the same step saved again (a resumed run): the new one replaces it
         shutil.rmtree(final)
     os.rename(tmp, final)
-    fd = os.open(os.path.dirname(final), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(os.path.dirname(final))
 
 
 def _syncfs(path: str) -> None:

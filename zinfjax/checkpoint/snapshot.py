@@ -20,6 +20,7 @@ import numpy as np
 
 from zinfjax.checkpoint.format import key_path, leaf_metadata
 from zinfjax.store import chunkfile
+from zinfjax.store.manifest import fsync_dir
 from zinfjax.store.nvme import aligned_empty, shard_grid
 
 
@@ -130,10 +131,10 @@ class Snapshot:
     def write(self) -> None:
         """Makes every chunk durable under the checkpoint directory."""
         for path in self.linked:
-            _fsync(path)
+            fsync_dir(path)
         for staged, dst in self.staged:
             shutil.copyfile(staged, dst)  # in the kernel (sendfile / copy_file_range)
-            _fsync(dst)
+            fsync_dir(dst)
         if self.staging:
             shutil.rmtree(self.staging, ignore_errors=True)
         for part, layers in self.arrays:
@@ -159,11 +160,3 @@ class Snapshot:
             slot = aligned_empty((chunkfile.slot_bytes(nbytes),), np.uint8, chunkfile.BLOCK)
             slot[:nbytes] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
             chunkfile.write_chunks([(self._chunk(part, k, i, grid), slot, nbytes)], sync=True, atomic=True)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -45,18 +45,22 @@ def _leaf_entry(lay: LeafLayout) -> dict:
 
 def write(directory: str, manifest: dict) -> None:
     """Writes `manifest` into `directory` atomically."""
-    path = os.path.join(directory, MANIFEST)
+    write_json(os.path.join(directory, MANIFEST), manifest)
+
+
+def write_json(path: str, value) -> None:
+    """Writes `value` as JSON atomically and durably: a temporary file, fsync, rename, fsync of the directory."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
+        json.dump(value, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(directory)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def fsync_dir(directory: str) -> None:
-    """Makes a rename or creation inside `directory` durable."""
+    """Makes a rename or creation inside `directory` durable (works on a file's path too: its data)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
