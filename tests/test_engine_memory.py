@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 
@@ -33,7 +32,7 @@ def train_and_measure(n_layers: int, nvme_path: str) -> dict:
     import jax
 
     from zinfjax import Config
-    from zinfjax.benchmarks.capacity import layerwise_source
+    from zinfjax.benchmarks.capacity import layerwise_source, peak_rss_bytes
     from zinfjax.engine import Engine
     from zinfjax.models import ModelConfig, build
     from zinfjax.optim import make_optimizer
@@ -53,7 +52,7 @@ def train_and_measure(n_layers: int, nvme_path: str) -> dict:
     state = sum(int(np.prod(x.shape)) * 12 for x in jax.tree.leaves(source.abstract))
     return {
         "layers": n_layers,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_rss_bytes(),
         "state_bytes": state,
         "losses": [m["loss"] for m in metrics],
         "read_bytes_nvme": metrics[-1]["read_bytes_nvme"],

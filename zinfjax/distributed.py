@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping
 
 import jax
@@ -32,6 +33,7 @@ NUM_PROCESSES = "ZINFJAX_NUM_PROCESSES"
 PROCESS_ID = "ZINFJAX_PROCESS_ID"
 LOCAL_DEVICES = "ZINFJAX_LOCAL_DEVICES"
 CONNECT_TIMEOUT = "ZINFJAX_CONNECT_TIMEOUT"
+FAILURES = "ZINFJAX_FAILURES"  # set by `zinfjax launch`: where a failing process records when it failed
 DEFAULT_CONNECT_TIMEOUT = 60
 XLA_CONNECT_MARGIN_S = 30  # XLA's own deadline, later than ours so that ours reports
 
@@ -111,10 +113,26 @@ def _fail_fast_on_uncaught_errors() -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb):
+        record_failure()
         previous(kind, value, tb)
         exit_now(1)
 
     sys.excepthook = hook
+
+
+def record_failure() -> None:
+    """Notes the time this process failed, for `zinfjax launch` to name the rank that failed first.
+
+    A process writes it before it exits, so before its peers can notice it has gone: the earliest
+    record is the cause, whatever order the exits reach the launcher in.
+    """
+    directory = os.environ.get(FAILURES)
+    if directory:
+        try:
+            with open(os.path.join(directory, os.environ.get(PROCESS_ID, "0")), "w") as f:
+                f.write(str(time.monotonic_ns()))
+        except OSError:
+            pass
 
 
 def exit_now(code: int) -> None:

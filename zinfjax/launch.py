@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -90,17 +91,20 @@ def launch(command: Sequence[str], num_processes: int, port: int | None = None,
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     restore = _interrupt_on_sigterm()
+    failures = tempfile.TemporaryDirectory(prefix="zinfjax-launch-")
     try:
         for rank in range(num_processes):
             env = process_env(rank, num_processes, coordinator, devices_per_process, connect_timeout)
+            env[distributed.FAILURES] = failures.name
             procs.append(_start(command, env))
             pumps.append(_pump(procs[-1], f"[rank {rank}] "))
-        failed = _wait_all(procs)
+        failed = _first_failure(_wait_all(procs), procs, failures.name)
     except BaseException:
         _stop(procs)
         raise
     finally:
         restore()
+        failures.cleanup()
     if failed is not None:
         _stop(procs)
     for t in pumps:
@@ -195,6 +199,27 @@ def _wait_all(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
         if code != 0:
             return rank, code
     return None
+
+
+def _first_failure(failed: tuple[int, int] | None, procs: list[subprocess.Popen], records: str):
+    """The rank that failed first: the earliest failure a process recorded before exiting
+    (`distributed.record_failure`), else the first failed exit to reach us."""
+    if failed is None:
+        return None
+    times = {}
+    for name in os.listdir(records):
+        try:
+            with open(os.path.join(records, name)) as f:
+                times[int(name)] = int(f.read())
+        except (OSError, ValueError):
+            continue
+    if not times:
+        return failed
+    rank = min(times, key=times.get)
+    try:
+        return rank, procs[rank].wait(timeout=STOP_GRACE_S)  # it exits right after writing its record
+    except subprocess.TimeoutExpired:
+        return rank, failed[1]
 
 
 def _get(q: queue.Queue):
