@@ -132,10 +132,13 @@ def test_bad_config_on_one_rank_stops_the_run(tmp_path):
     assert out.stderr.strip().splitlines()[-1].startswith("zinfjax: error: process 1 of 2 failed with exit code 2;")
 
 
-def test_launch_gives_each_rank_its_variables_and_names_a_killed_rank():
-    script = ("import os, signal; r = os.environ['ZINFJAX_PROCESS_ID']; "
+def test_launch_gives_each_rank_its_variables_and_names_a_killed_rank(tmp_path):
+    # Rank 2 kills itself only once ranks 0 and 1 have printed: the launcher stops them when it sees the kill.
+    script = ("import os, signal, time; r = os.environ['ZINFJAX_PROCESS_ID']; "
               "print('rank', r, 'of', os.environ['ZINFJAX_NUM_PROCESSES'], os.environ['ZINFJAX_LOCAL_DEVICES'], "
-              "os.environ['ZINFJAX_COORDINATOR']); "
+              "os.environ['ZINFJAX_COORDINATOR'], flush=True); "
+              f"open(os.path.join({str(tmp_path)!r}, r), 'w').close(); "
+              f"[time.sleep(0.05) for _ in range(2000) if r == '2' and len(os.listdir({str(tmp_path)!r})) < 3]; "
               "r == '2' and os.kill(os.getpid(), signal.SIGKILL)")
     out = launch(3, sys.executable, "-c", script, devices_per_process=5)
     assert out.returncode == 128 + 9

@@ -129,7 +129,7 @@ def record_failure() -> None:
     directory = os.environ.get(FAILURES)
     if directory:
         try:
-            with open(os.path.join(directory, os.environ.get(PROCESS_ID, "0")), "w") as f:
+            with open(os.path.join(directory, os.environ.get(PROCESS_ID, "0")), "x") as f:  # the first time counts
                 f.write(str(time.monotonic_ns()))
         except OSError:
             pass
@@ -143,6 +143,8 @@ def exit_now(code: int) -> None:
     Example:
         >>> exit_now(2)    # doctest: +SKIP
     """
+    if code:
+        record_failure()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -203,7 +203,8 @@ def _wait_all(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
 
 def _first_failure(failed: tuple[int, int] | None, procs: list[subprocess.Popen], records: str):
     """The rank that failed first: the earliest failure a process recorded before exiting
-    (`distributed.record_failure`), else the first failed exit to reach us."""
+    (`distributed.record_failure`), else the first failed exit to reach us (also when that one was
+    killed by a signal, which leaves no record)."""
     if failed is None:
         return None
     times = {}
@@ -213,7 +214,7 @@ def _first_failure(failed: tuple[int, int] | None, procs: list[subprocess.Popen]
                 times[int(name)] = int(f.read())
         except (OSError, ValueError):
             continue
-    if not times:
+    if not times or (failed[1] < 0 and failed[0] not in times):  # killed by a signal: it could record nothing
         return failed
     rank = min(times, key=times.get)
     try:
