@@ -4,11 +4,14 @@ This package imports torch. The zinfjax library never imports it; only the
 ``zinfjax convert`` command does, lazily, so torch stays an optional extra.
 
 Example:
-    >>> from interop import load_hf, save_hf
+    >>> from interop import convert, load_hf, save_hf
     >>> config, params = load_hf("path/to/hf-model")   # GPT-2, Llama or BERT
     >>> save_hf(params, config, "path/to/out")
+    >>> convert("path/to/ds-run", "runs/from-ds")        # a DeepSpeed ZeRO checkpoint, Adam state included
 """
 
+from interop.convert import ZinfjaxCheckpoint, convert, detect_format
+from interop.deepspeed import convert_deepspeed
 from interop.errors import (
     CheckpointFilesError,
     ConversionError,
@@ -18,11 +21,13 @@ from interop.errors import (
     UnknownArchitectureError,
     UnsupportedConfigError,
 )
-from interop.hf import HFCheckpoint, Tensor, load_hf, save_hf
+from interop.hf import HFCheckpoint, Tensor, load_hf, save_hf, write_hf
 from interop.hf_config import from_hf_config, to_hf_config
+from interop.mapping import MappingError, load_mapping
 
 __all__ = [
-    "CheckpointFilesError", "ConversionError", "HFCheckpoint", "MissingTensorError", "ShapeMismatchError",
-    "Tensor", "UnexpectedTensorError", "UnknownArchitectureError", "UnsupportedConfigError",
-    "from_hf_config", "load_hf", "save_hf", "to_hf_config",
+    "CheckpointFilesError", "ConversionError", "HFCheckpoint", "MappingError", "MissingTensorError",
+    "ShapeMismatchError", "Tensor", "UnexpectedTensorError", "UnknownArchitectureError", "UnsupportedConfigError",
+    "ZinfjaxCheckpoint", "convert", "convert_deepspeed", "detect_format", "from_hf_config", "load_hf",
+    "load_mapping", "save_hf", "to_hf_config", "write_hf",
 ]

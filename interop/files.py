@@ -21,7 +21,6 @@ from contextlib import ExitStack
 import ml_dtypes
 import numpy as np
 import safetensors
-import safetensors.numpy
 import torch
 
 from interop.errors import CheckpointFilesError
@@ -108,11 +107,30 @@ def _open_file(stack: ExitStack, path: str):
         if path.endswith(".safetensors"):
             return stack.enter_context(safetensors.safe_open(path, framework="pt"))
         # mmap: tensors stay in the file until read; weights_only: no code runs from the file.
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except (OSError, RuntimeError, pickle.UnpicklingError, safetensors.SafetensorError) as e:
+        return _torch_load(path)
+    except pickle.UnpicklingError as e:
+        if "weights only" not in str(e).lower():
+            raise CheckpointFilesError(f"{path} cannot be unpickled ({e}); re-save it with torch.save") from e
+        refused = next((line.strip() for line in str(e).splitlines() if "global" in line.lower()), "")
+        raise CheckpointFilesError(
+            f"{path} holds objects other than tensors, which could run code when unpickled ({refused}); zinfjax "
+            "loads .pt files with torch.load(weights_only=True) and never runs code from a file: save "
+            "model.state_dict() (tensors only), or safetensors"
+        ) from e
+    except (OSError, RuntimeError, safetensors.SafetensorError) as e:
         raise CheckpointFilesError(
             f"{path} cannot be read ({e}); re-save it with save_pretrained (safetensors) or torch.save"
         ) from e
+
+
+def _torch_load(path: str):
+    """torch.load with weights_only; memory-mapped unless the file predates torch's zip format."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError as e:
+        if "mmap can only be used" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)  # the legacy format is read whole
 
 
 def _names(directory: str, filename: str) -> list[str]:
@@ -134,13 +152,131 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+class StateDictFile(TensorFiles):
+    """A torch ``state_dict`` saved with ``torch.save`` (.pt/.pth/.bin), or one .safetensors file, by tensor name.
+
+    The file is memory-mapped and unpickled with ``weights_only=True``, so no code in it runs. A training
+    checkpoint that nests the state dict (``{"model": state_dict, "optimizer": ...}``) is read from its
+    ``state_dict``, ``model`` or ``module`` entry.
+
+    Example:
+        >>> with StateDictFile("model.pt") as f:
+        ...     f.shape("transformer.wte.weight")
+    """
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise CheckpointFilesError(f"{path} does not exist")
+        self._stack_for_file = ExitStack()
+        opened = _open_file(self._stack_for_file, path)
+        self._tensors = opened if path.endswith(".safetensors") else _state_dict(opened, path)
+        names = list(self._tensors.keys())
+        super().__init__(os.path.dirname(os.path.abspath(path)), dict.fromkeys(names, os.path.basename(path)))
+
+    def _file(self, name: str):
+        return self._tensors
+
+    def close(self) -> None:
+        self._stack_for_file.close()
+        super().close()
+
+
+def _state_dict(obj, path: str) -> dict:
+    """The tensors of a torch.load'ed object: a state dict, or one nested under a usual key."""
+    if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return obj
+    if isinstance(obj, dict):
+        for key in ("state_dict", "model", "module"):
+            inner = obj.get(key)
+            if isinstance(inner, dict) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
+                return inner
+        others = [f"{k} ({type(v).__name__})" for k, v in obj.items() if not isinstance(v, torch.Tensor)]
+        raise CheckpointFilesError(
+            f"{path} is not a state_dict of tensors: it holds {', '.join(others[:5])}; save model.state_dict() "
+            "(or a dict with it under 'state_dict', 'model' or 'module')"
+        )
+    raise CheckpointFilesError(f"{path} holds a {type(obj).__name__}, not a state_dict; save model.state_dict()")
+
+
+_CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+class SafetensorsWriter:
+    """One safetensors file written one tensor at a time, so memory holds one tensor.
+
+    The header (every name, dtype, shape and byte offset) is written first, from ``specs``; then
+    each `write` appends the next tensor's bytes, in the order of ``specs``. The file is written
+    under a temporary name and renamed into place (after an fsync) only by `close` once every
+    tensor is in; `abort`, or an exception inside ``with``, removes it.
+
+    Example:
+        >>> specs = [("ln_f.weight", np.float32, (8,)), ("ln_f.bias", np.float32, (8,))]
+        >>> with SafetensorsWriter("out/model.safetensors", specs) as w:
+        ...     w.write(np.ones(8, np.float32))
+        ...     w.write(np.zeros(8, np.float32))
+    """
+
+    def __init__(self, path: str, specs: list[tuple[str, object, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path, self._tmp = path, path + ".tmp"
+        self._specs = [(name, np.dtype(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in specs]
+        header, offset = {"__metadata__": dict(metadata or {"format": "pt"})}, 0
+        for name, dtype, shape in self._specs:
+            if dtype not in _CODES:
+                raise ValueError(f"tensor {name}: safetensors has no code for dtype {dtype}")
+            end = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+            offset = end
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        self._file = open(self._tmp, "wb")
+        self._file.write(len(text).to_bytes(8, "little") + text)
+        self._next = 0
+        self.bytes_written = 0
+
+    def write(self, array: np.ndarray) -> None:
+        """Appends the next tensor of ``specs``; its dtype and shape must be the spec's."""
+        name, dtype, shape = self._specs[self._next]
+        array = np.asarray(array)
+        if array.dtype != dtype or array.shape != shape:
+            raise ValueError(f"tensor {name}: got {array.dtype}{list(array.shape)}, the header says "
+                             f"{dtype}{list(shape)}")
+        self._file.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        self._next += 1
+        self.bytes_written += array.nbytes
+
+    def close(self) -> None:
+        """Checks every tensor was written, makes the file durable and renames it into place."""
+        if self._next != len(self._specs):
+            self.abort()
+            raise ValueError(f"{self.path}: {len(self._specs) - self._next} tensors were never written, "
+                             f"from {self._specs[self._next][0]} on")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        self._file.close()
+        if os.path.exists(self._tmp):
+            os.remove(self._tmp)
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+
 def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
     """Writes ``tensors`` as one safetensors file that transformers loads, atomically.
 
     Example:
         >>> write_safetensors("out/model.safetensors", {"ln_f.weight": np.ones(8, np.float32)})
     """
-    tmp = path + ".tmp"
-    contiguous = {name: np.ascontiguousarray(a) for name, a in tensors.items()}
-    safetensors.numpy.save_file(contiguous, tmp, metadata={"format": "pt"})
-    os.replace(tmp, path)
+    with SafetensorsWriter(path, [(name, a.dtype, a.shape) for name, a in tensors.items()]) as writer:
+        for a in tensors.values():
+            writer.write(a)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -32,7 +32,14 @@ from interop.errors import (
     UnexpectedTensorError,
     UnknownArchitectureError,
 )
-from interop.files import SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX, TensorFiles, write_safetensors
+from interop.files import (
+    SAFETENSORS,
+    SAFETENSORS_INDEX,
+    TORCH_BIN,
+    TORCH_BIN_INDEX,
+    SafetensorsWriter,
+    TensorFiles,
+)
 from interop.hf_config import from_hf_config, to_hf_config
 from interop.tables import BY_ARCH, FUSE_AXIS, TABLES, ArchTable, Rule, hf_shape, to_hf, to_zinfjax
 from zinfjax import models
@@ -69,15 +76,31 @@ class HFCheckpoint:
     """
 
     def __init__(self, directory: str):
-        self.directory = directory
-        self.config = from_hf_config(_read_json(os.path.join(directory, CONFIG)))
-        self.table = BY_ARCH[self.config.arch]
-        self._files = TensorFiles.open(directory)
+        config = from_hf_config(_read_json(os.path.join(directory, CONFIG)))
+        self._open(directory, config, BY_ARCH[config.arch], TensorFiles.open(directory))
+
+    @classmethod
+    def from_files(cls, name: str, config: ModelConfig, table: ArchTable, files: TensorFiles) -> HFCheckpoint:
+        """Tensors named by ``table`` in ``files``, for a model given apart from them, checked whole as HF's are.
+
+        Example:
+            >>> files = StateDictFile("model.pt")                   # a torch state_dict
+            >>> ckpt = HFCheckpoint.from_files("model.pt", ModelConfig.named("gpt2-tiny"), GPT2, files)
+        """
+        self = cls.__new__(cls)
+        self._open(name, config, table, files)
+        return self
+
+    def _open(self, directory: str, config: ModelConfig, table: ArchTable, files: TensorFiles) -> None:
+        self.directory, self.config, self.table, self._files = directory, config, table, files
+        self._cached: tuple[str, dict[str, np.ndarray]] | None = None
         try:
             self._plan = self._check()
         except BaseException:
             self._files.close()
             raise
+        self._entries = dict(self._plan)
+        self._holder = {(p, e.layer): name for name, e in self._plan for p in e.rule.paths}
 
     @property
     def like(self) -> dict[str, jax.ShapeDtypeStruct]:
@@ -85,16 +108,36 @@ class HFCheckpoint:
         dtypes = {p: self._files.dtype(name) for name, e in self._plan for p in e.rule.paths}
         return {p: jax.ShapeDtypeStruct(s, dtypes[p]) for p, s in zinfjax_shapes(self.config).items()}
 
+    @property
+    def names(self) -> list[str]:
+        """The checkpoint's tensors that zinfjax keeps, in the order `tensors` reads them."""
+        return [name for name, _ in self._plan]
+
     def tensors(self) -> Iterator[Tensor]:
         """Reads the checkpoint one HF tensor at a time, in file order; a fused tensor yields its parts."""
-        shapes = zinfjax_shapes(self.config)
-        for name, (rule, layer) in self._plan:
-            a = self._files.get(name)
-            zshapes = [_layer_shape(shapes, p) for p in rule.paths]
-            sizes = [hf_shape(rule.layout, z, rule.in_axes)[FUSE_AXIS[rule.layout]] for z in zshapes]
-            parts = np.split(a, np.cumsum(sizes)[:-1], axis=FUSE_AXIS[rule.layout]) if len(sizes) > 1 else [a]
-            for path, part, zshape in zip(rule.paths, parts, zshapes, strict=True):
-                yield Tensor(path, layer, to_zinfjax(rule.layout, part, zshape))
+        for name, entry in self._plan:
+            yield from self._parts(name, entry)
+
+    def read(self, path: str, layer: int | None) -> np.ndarray:
+        """One zinfjax leaf of one layer (``layer`` None outside blocks), in zinfjax's layout.
+
+        The HF tensor last read is kept, so reading the parts of a fused tensor one after the
+        other (q, k, v of GPT-2's ``c_attn``) reads it once.
+        """
+        name = self._holder[path, layer]
+        if self._cached is None or self._cached[0] != name:
+            self._cached = None  # the previous tensor goes before the next is read
+            self._cached = (name, {t.path: t.array for t in self._parts(name, self._entries[name])})
+        return self._cached[1][path]
+
+    def _parts(self, name: str, entry: _Entry) -> list[Tensor]:
+        rule, shapes = entry.rule, zinfjax_shapes(self.config)
+        a = self._files.get(name)
+        zshapes = [_layer_shape(shapes, p) for p in rule.paths]
+        sizes = [hf_shape(rule.layout, z, rule.in_axes)[FUSE_AXIS[rule.layout]] for z in zshapes]
+        parts = np.split(a, np.cumsum(sizes)[:-1], axis=FUSE_AXIS[rule.layout]) if len(sizes) > 1 else [a]
+        return [Tensor(path, entry.layer, to_zinfjax(rule.layout, part, zshape))
+                for path, part, zshape in zip(rule.paths, parts, zshapes, strict=True)]
 
     def close(self) -> None:
         self._files.close()
@@ -150,20 +193,53 @@ def save_hf(params: Any, config: ModelConfig, directory: str) -> None:
     """
     if config.arch not in BY_ARCH:
         raise UnknownArchitectureError(f"zinfjax cannot export arch {config.arch!r}; supported: {', '.join(BY_ARCH)}")
-    table = BY_ARCH[config.arch]
     flat = _check_params(params, config)
+    write_hf(lambda p, layer: flat[p] if layer is None else flat[p][layer],
+             {p: a.dtype for p, a in flat.items()}, config, directory)
+
+
+def write_hf(read: Callable[[str, int | None], np.ndarray], dtypes: dict[str, Any], config: ModelConfig,
+             directory: str, dtype: Any = None, on_tensor: Callable[[int], None] | None = None) -> dict:
+    """Writes an HF directory (config.json, model.safetensors) one HF tensor at a time.
+
+    ``read(path, layer)`` gives one layer of one zinfjax leaf (``layer`` None outside blocks) and
+    ``dtypes`` each leaf's dtype, so the safetensors header is written before any tensor is read;
+    then each HF tensor is assembled from its parts, cast to ``dtype`` (default: its own), written
+    and dropped. Memory stays at one HF tensor. ``on_tensor(nbytes)`` follows each write.
+
+    Returns:
+        ``tensors``, ``bytes`` and ``dtype`` (of the first tensor, as config.json records it).
+
+    Example:
+        >>> with ZinfjaxCheckpoint("runs/ckpt") as src:
+        ...     write_hf(src.read, {p: s.dtype for p, s in src.like.items()}, src.config, "out/", "bfloat16")
+    """
+    if config.arch not in BY_ARCH:
+        raise UnknownArchitectureError(f"zinfjax cannot export arch {config.arch!r}; supported: {', '.join(BY_ARCH)}")
+    table = BY_ARCH[config.arch]
     stale = [f for f in (SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX) if os.path.exists(os.path.join(directory, f))]
     if stale:
         raise CheckpointFilesError(f"{directory} already holds {', '.join(stale)}: write to an empty directory")
-    tensors = {}
-    for name, (rule, layer) in _expected(table, config, table.bodies[0]).items():
-        parts = [to_hf(rule.layout, flat[p] if layer is None else flat[p][layer], rule.in_axes) for p in rule.paths]
-        if parts:
-            tensors[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=FUSE_AXIS[rule.layout])
+    shapes = zinfjax_shapes(config)
+    entries = [(name, e) for name, e in _expected(table, config, table.bodies[0]).items() if e.rule.paths]
+
+    def out_dtype(rule: Rule) -> np.dtype:
+        return np.dtype(dtype) if dtype is not None else np.dtype(dtypes[rule.paths[0]])
+
+    specs = [(name, out_dtype(e.rule), _hf_shape(e, shapes)) for name, e in entries]
     os.makedirs(directory, exist_ok=True)
-    write_safetensors(os.path.join(directory, SAFETENSORS), tensors)
-    dtype = np.dtype(flat[table.rules[0].paths[0]].dtype).name
-    _write_json(os.path.join(directory, CONFIG), to_hf_config(config, dtype))
+    with SafetensorsWriter(os.path.join(directory, SAFETENSORS), specs) as writer:
+        for _, (rule, layer) in entries:
+            parts = [to_hf(rule.layout, read(p, layer), rule.in_axes) for p in rule.paths]
+            a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=FUSE_AXIS[rule.layout])
+            del parts
+            a = a.astype(out_dtype(rule), copy=False)
+            writer.write(a)
+            if on_tensor is not None:
+                on_tensor(a.nbytes)
+    first = specs[0][1].name
+    _write_json(os.path.join(directory, CONFIG), to_hf_config(config, first))
+    return {"tensors": len(specs), "bytes": writer.bytes_written, "dtype": first}
 
 
 @functools.cache
@@ -246,4 +322,4 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-__all__ = ["HFCheckpoint", "TABLES", "Tensor", "load_hf", "save_hf", "zinfjax_shapes"]
+__all__ = ["HFCheckpoint", "TABLES", "Tensor", "load_hf", "save_hf", "write_hf", "zinfjax_shapes"]

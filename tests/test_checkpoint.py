@@ -87,6 +87,7 @@ def log_steps(path) -> list[dict]:
     return json.loads(open(path).read())["steps"]
 
 
+@pytest.mark.slow  # about 33 s in CI: three training processes
 def test_resume_in_a_new_process_is_bitwise(tmp_path):
     """Train 10 steps saving at 5; a new process resumes from 5 (other tiers) and steps 6-10 match bitwise."""
     common = ["--set", "model=gpt2-tiny", "--set", "batch_size=8", "--set", "seq_len=16", "--set", "mesh=data:1",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import json
 import math
 import os
 import shutil
@@ -174,6 +175,27 @@ def test_weights_and_adam_moments_equal_deepspeeds_exactly(ds_runs, run, tmp_pat
     assert (meta["step"], meta["data_position"]) == (3, 3)
     assert meta["config"]["lr"] == child.LR and meta["config"]["weight_decay"] == child.WEIGHT_DECAY
     assert meta["config"]["stage"] == stage and meta["model"]["d_model"] == 27
+
+
+@pytest.mark.slow
+def test_zinfjax_convert_takes_a_deepspeed_run_to_zinfjax_and_to_hf(ds_runs, tmp_path, capsys):
+    from zinfjax.cli import main
+
+    src = ds_runs / "zero2-bf16"
+    ref = reference(src)
+    assert main(["convert", str(src), str(tmp_path / "zinfjax"), "--quiet", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["format"], out["to"], out["step"]) == ("deepspeed", "zinfjax", 3)
+    assert read_meta(out["path"])["model"]["d_model"] == 27
+    assert main(["convert", str(src), str(tmp_path / "hf"), "--to", "hf", "--quiet", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["format"], out["to"], out["dtype"]) == ("deepspeed", "hf", "float32")
+    exported = safetensors.numpy.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(exported) == sorted(n for n in ref["state"] if n != "lm_head.weight")
+    for name, array in exported.items():  # DeepSpeed's fp32 master weights, as transformers names them
+        np.testing.assert_array_equal(array, ref["state"][name]["fp32"].numpy(), err_msg=name)
+    assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")) is not None
+    assert not os.path.exists(tmp_path / "hf" / ".deepspeed-staging")
 
 
 def restore(path: str, model, precision: str):

@@ -235,6 +235,64 @@ def _evaluate(args) -> int:
     return 0
 
 
+def add_convert(sub) -> None:
+    p = sub.add_parser(
+        "convert", help="convert Hugging Face, DeepSpeed and torch checkpoints to zinfjax, and back",
+        description="Convert the checkpoint SRC into a zinfjax checkpoint (--to zinfjax, the default: parameters in "
+        "fp32 and an optimizer state, under DST/<step>) or a Hugging Face model directory (--to hf: config.json and "
+        "model.safetensors, which transformers' from_pretrained loads). The source format is found from its files: "
+        "a Hugging Face model directory (safetensors, sharded or not, or pytorch_model.bin), a DeepSpeed ZeRO save "
+        "dir (stage 1, 2 or 3, any world size; its Adam state and step come along), a zinfjax checkpoint or "
+        "save_dir, or a torch.save'd state_dict with --model (and --mapping when its names are not Hugging Face's). "
+        "Tensors stream one at a time, so a checkpoint larger than memory converts. Needs the torch extra "
+        "(pip install 'zinfjax[torch]').",
+        epilog="examples:\n"
+        "  zinfjax convert path/to/gpt2 runs/gpt2          # then zinfjax.wrap(state, config, restore='runs/gpt2')\n"
+        "  zinfjax convert runs/gpt2 out/gpt2-hf --to hf --dtype bf16\n"
+        "  zinfjax convert ds_run/ runs/from-ds            # DeepSpeed: latest, global_stepN/*_optim_states.pt\n"
+        "  zinfjax convert ckpt.pt runs/nano --model model.json --mapping examples/mapping_nanogpt.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="the checkpoint to read (a directory, or a .pt/.pth/.bin/.safetensors file)")
+    p.add_argument("dst", help="--to zinfjax: the save_dir to write into; --to hf: the model directory")
+    p.add_argument("--to", choices=["zinfjax", "hf"], default="zinfjax", help="the format to write (default zinfjax)")
+    p.add_argument("--from", dest="source_format", choices=["hf", "deepspeed", "zinfjax", "torch"],
+                   help="the source's format, when the guess from its files is not wanted")
+    p.add_argument("--model", help="the model of a torch state_dict (or of a DeepSpeed run without a config.json "
+                   "beside it): a named size (gpt2-tiny), a ModelConfig JSON/YAML, or a Hugging Face config.json")
+    p.add_argument("--mapping", help="a torch state_dict's names to zinfjax leaves, as JSON or YAML "
+                   "(see interop/mapping.py and examples/mapping_nanogpt.yaml)")
+    p.add_argument("--lr", type=float, help="learning rate recorded with the optimizer state (default 3e-4; for "
+                   "DeepSpeed: the run's own)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="--to hf: the dtype of the written tensors "
+                   "(default: the source's)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=_convert)
+
+
+def _convert(args) -> int:
+    import json
+
+    try:
+        from interop.convert import convert
+    except ModuleNotFoundError as e:
+        if e.name not in ("torch", "safetensors", "interop"):
+            raise
+        from zinfjax.errors import ConfigError
+
+        raise ConfigError(f"zinfjax convert needs {e.name}, which is not installed: "
+                          "pip install 'zinfjax[torch]'") from e
+
+    out = convert(args.src, args.dst, args.to, source_format=args.source_format, model=args.model,
+                  mapping=args.mapping, lr=args.lr, dtype=args.dtype, progress=not args.quiet)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"converted {out['source']} ({out['format']}) to {out['to']} at {out['path']}: {out['tensors']} "
+              f"tensors, {out['bytes']} bytes, {out['dtype']}" + (f", step {out['step']}" if out.get("step") else ""))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zinfjax", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -245,6 +303,7 @@ def parser() -> argparse.ArgumentParser:
     add_ckpt(sub)
     add_generate(sub)
     add_evaluate(sub)
+    add_convert(sub)
     return p
 
 

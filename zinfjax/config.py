@@ -155,20 +155,25 @@ def parse_mesh(text: str) -> dict[str, int]:
     return axes
 
 
-def read_mapping(path: str) -> dict[str, Any]:
-    """Reads a JSON or YAML file into a dict, with errors that name the file."""
+def read_mapping(path: str, what: str = "config file", error: type[Exception] = ConfigError) -> dict[str, Any]:
+    """Reads a JSON or YAML file into a dict; errors (of type ``error``) name the file as ``what``.
+
+    Example:
+        >>> read_mapping("examples/demo.yaml")["model"]
+        'gpt2-mini'
+    """
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist")
+        raise error(f"{what} {path!r} does not exist")
     try:
         with open(path) as f:
             text = f.read()
         values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise ConfigError(f"config file {path!r} cannot be parsed: {str(err).splitlines()[0]}") from err
+        raise error(f"{what} {path!r} cannot be parsed: {str(err).splitlines()[0]}") from err
     if values is None:
         values = {}
     if not isinstance(values, dict):
-        raise ConfigError(f"config file {path!r} must hold a mapping of keys to values")
+        raise error(f"{what} {path!r} must hold a mapping of keys to values")
     return values
 
 

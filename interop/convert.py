@@ -1,0 +1,435 @@
+"""``zinfjax convert``: Hugging Face, DeepSpeed, torch ``state_dict`` and zinfjax checkpoints, streamed.
+
+Every conversion holds one tensor at a time: the source is checked whole from its headers first
+(architecture, names, shapes), then each tensor is read, laid out and written at once, either as
+its layer's chunk of a zinfjax checkpoint (`CheckpointWriter`) or as the next tensor of a
+safetensors file whose header was written first (`interop.hf.write_hf`).
+
+| source (``--from``, found by itself) | what it is |
+|---|---|
+| ``hf`` | a directory with config.json and model.safetensors / pytorch_model.bin (single or sharded) |
+| ``deepspeed`` | a DeepSpeed save dir (``latest``, ``global_stepN/*_optim_states.pt``), see `interop.deepspeed` |
+| ``zinfjax`` | a zinfjax checkpoint (``zinfjax.json``), or a save_dir of them (the newest is read) |
+| ``torch`` | a ``torch.save``'d state_dict (.pt/.pth/.bin) or a .safetensors file, with ``model`` and a mapping |
+
+Example:
+    >>> convert("gpt2-dir", "runs/gpt2")                     # runs/gpt2/0: params + fresh adamw state
+    {'format': 'hf', 'path': '/.../runs/gpt2/0', 'tensors': 148, 'bytes': ..., 'dtype': 'float32', ...}
+    >>> convert("runs/gpt2", "gpt2-again", to="hf")          # config.json + model.safetensors
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import shutil
+
+import jax
+import numpy as np
+import tensorstore as ts
+from flax import traverse_util
+
+from interop.errors import (
+    CheckpointFilesError,
+    ConversionError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+    UnknownArchitectureError,
+)
+from interop.files import SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX, StateDictFile
+from interop.hf import CONFIG, HFCheckpoint, Tensor, write_hf, zinfjax_shapes
+from interop.hf_config import from_hf_config
+from interop.mapping import load_mapping
+from interop.tables import BY_ARCH
+from zinfjax.checkpoint import CheckpointCorruptError, CheckpointWriter, expected_leaves, read_meta
+from zinfjax.checkpoint import format as fmt
+from zinfjax.config import Config, read_mapping
+from zinfjax.models import ModelConfig
+from zinfjax.models.configs import NAMED
+from zinfjax.optim import make_optimizer
+from zinfjax.store.disk import free_bytes, is_disk_full
+from zinfjax.units import format_bytes
+
+FORMATS = ("hf", "deepspeed", "zinfjax", "torch")
+TARGETS = ("zinfjax", "hf")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+
+
+class SourceError(ConversionError):
+    """A source that is no checkpoint zinfjax reads, or options that do not fit it."""
+
+
+def convert(src: str, dst: str, to: str = "zinfjax", *, source_format: str | None = None,
+            model: ModelConfig | str | None = None, mapping: str | None = None, lr: float | None = None,
+            dtype: str | None = None, progress: bool = False) -> dict:
+    """Converts the checkpoint ``src`` into a zinfjax checkpoint (``to="zinfjax"``) or an HF directory (``"hf"``).
+
+    Args:
+        src: a checkpoint of any of `FORMATS`; ``source_format`` names it when the guess is not wanted.
+        dst: ``to="zinfjax"``: a save_dir, the checkpoint is ``dst/<step>`` (step 0 for HF and torch
+            sources, DeepSpeed's global step); ``to="hf"``: the HF model directory.
+        model: the model of a torch state_dict (needed) or a DeepSpeed checkpoint (default: the
+            config.json beside it): a named size (``gpt2-tiny``), a ModelConfig JSON/YAML file,
+            or an HF config.json or its directory.
+        mapping: for a torch state_dict, the name-mapping file (`interop.mapping`); without it the
+            names must be Hugging Face's for the model's architecture.
+        lr: the learning rate recorded with a fresh adamw state (default 3e-4); for DeepSpeed, an
+            override of the optimizer's.
+        dtype: ``to="hf"`` only: ``fp32``, ``bf16`` or ``fp16`` (default: the source's).
+        progress: show a progress bar (bytes, tensors).
+
+    Returns:
+        A summary: ``source``, ``format``, ``to``, ``path``, ``step``, ``tensors``, ``bytes`` (written),
+        ``dtype``, ``model`` (the `ModelConfig` as a dict).
+    """
+    if to not in TARGETS:
+        raise SourceError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
+    if dtype is not None and (to != "hf" or dtype not in DTYPES):
+        raise SourceError(f"--dtype {dtype}: only --to hf takes a dtype, one of {', '.join(DTYPES)}" if to == "hf"
+                          else "--dtype applies to --to hf; a zinfjax checkpoint holds fp32 master weights")
+    kind = source_format or detect_format(src, to)
+    if kind not in FORMATS:
+        raise SourceError(f"--from {kind!r}: choose one of {', '.join(FORMATS)}")
+    if mapping is not None and kind != "torch":
+        raise SourceError(f"--mapping names the tensors of a torch state_dict; {src} is a {kind} checkpoint")
+    if model is not None and kind in ("hf", "zinfjax"):
+        raise SourceError(f"{src} is a {kind} checkpoint, which records its own model: leave out --model")
+    model_config = resolve_model(model) if model is not None else None
+    try:
+        out = _convert(src, dst, to, kind, model_config, mapping, lr, dtype, progress)
+    except OSError as e:
+        raise _write_error(dst, e) from e
+    return {"source": os.path.abspath(src), "format": kind, "to": to, **out}
+
+
+def _convert(src: str, dst: str, to: str, kind: str, model_config: ModelConfig | None, mapping: str | None,
+             lr: float | None, dtype: str | None, progress: bool) -> dict:
+    if kind == "deepspeed":
+        out = _from_deepspeed(src, dst, to, model_config, lr, dtype, progress)
+    elif to == "zinfjax":
+        if kind == "zinfjax":
+            raise SourceError(f"{src} is a zinfjax checkpoint already; --to hf writes Hugging Face's layout")
+        with open_source(src, kind, model_config, mapping) as source:
+            out = write_zinfjax(source, dst, lr if lr is not None else Config().lr, progress)
+    else:
+        with open_source(src, kind, model_config, mapping) as source:
+            out = _write_hf(source, dst, dtype, progress)
+    return out
+
+
+def _write_error(dst: str, e: OSError) -> ConversionError:
+    """An OSError while writing ``dst`` as the user's problem: a full disk or a path that cannot be written."""
+    if is_disk_full(e):
+        return ConversionError(f"the disk is full: no space left on the filesystem of {dst} ({e.strerror or e}); "
+                               "nothing was written there. Free some space or convert to another directory")
+    return ConversionError(f"cannot write {dst}: {e.strerror or e}; nothing was written there. Choose a writable "
+                           "directory")
+
+
+def check_space(dst: str, needed: int) -> None:
+    """Refuses before any write when the filesystem of ``dst`` has less than ``needed`` bytes free."""
+    existing = os.path.abspath(dst)
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    free = free_bytes(existing)
+    if needed > free:
+        raise ConversionError(f"the disk is full for this conversion: {dst} needs {format_bytes(needed)} and its "
+                              f"filesystem has {format_bytes(free)} free; nothing was written. Free some space or "
+                              "convert to another directory")
+
+
+def detect_format(src: str, to: str = "zinfjax") -> str:
+    """The format of ``src``, from the files it holds (see the module's table).
+
+    A Hugging Face Trainer's checkpoint directory holds both an HF model and a DeepSpeed checkpoint:
+    DeepSpeed's (with its optimizer state) is read for ``to="zinfjax"``, the HF model for ``"hf"``.
+
+    Example:
+        >>> detect_format("runs/ckpt")
+        'zinfjax'
+    """
+    src = _strip_scheme(src)
+    if os.path.isfile(src):
+        if src.endswith(STATE_DICT_SUFFIXES):
+            return "torch"
+        raise SourceError(f"{src} is a file but not a state_dict zinfjax reads ({', '.join(STATE_DICT_SUFFIXES)})")
+    if not os.path.isdir(src):
+        raise SourceError(f"{src} does not exist")
+    if os.path.isfile(os.path.join(src, fmt.META)) or fmt.complete_steps(src):
+        return "zinfjax"
+    weights = (SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX)
+    hf = os.path.isfile(os.path.join(src, CONFIG)) and any(os.path.isfile(os.path.join(src, w)) for w in weights)
+    deepspeed = _is_deepspeed(src)
+    if hf and deepspeed:
+        return "deepspeed" if to == "zinfjax" else "hf"
+    if hf or deepspeed:
+        return "hf" if hf else "deepspeed"
+    raise SourceError(
+        f"{src} is no checkpoint zinfjax recognises: expected a Hugging Face model directory (config.json and "
+        f"{SAFETENSORS} or {TORCH_BIN}), a DeepSpeed save dir (latest, global_stepN/*_optim_states.pt), a zinfjax "
+        f"checkpoint (zinfjax.json) or a torch state_dict file ({', '.join(STATE_DICT_SUFFIXES)}); "
+        "--from names the format"
+    )
+
+
+def _is_deepspeed(src: str) -> bool:
+    def states(d):
+        return bool(glob.glob(os.path.join(d, "*_optim_states.pt")) or glob.glob(os.path.join(d, "*_model_states.pt")))
+
+    return (os.path.isfile(os.path.join(src, "latest")) or states(src)
+            or any(states(d) for d in glob.glob(os.path.join(src, "global_step*"))))
+
+
+def _strip_scheme(src: str) -> str:
+    return src[len("hf://"):] if src.startswith("hf://") else src
+
+
+def resolve_model(spec: ModelConfig | str) -> ModelConfig:
+    """A `ModelConfig` from a named size, a ModelConfig JSON/YAML file, or an HF config.json (or its directory).
+
+    Example:
+        >>> resolve_model("gpt2-tiny").n_layers
+        4
+    """
+    if isinstance(spec, ModelConfig):
+        return spec
+    if spec in NAMED:
+        return NAMED[spec]
+    path = os.path.join(spec, CONFIG) if os.path.isdir(spec) else spec
+    if not os.path.isfile(path):
+        raise SourceError(f"--model {spec!r} is neither a named size ({', '.join(NAMED)}) nor a ModelConfig or "
+                          "Hugging Face config file")
+    values = read_mapping(path, "--model file", SourceError)
+    if "model_type" in values:
+        return from_hf_config(values)
+    if "arch" not in values:
+        raise SourceError(f"--model {path} is neither a ModelConfig (with 'arch') nor a Hugging Face config.json "
+                          "(with 'model_type')")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise SourceError(f"--model {path}: unknown ModelConfig field(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(known))}")
+    if values["arch"] not in BY_ARCH:
+        raise UnknownArchitectureError(f"--model {path} has arch {values['arch']!r}, which zinfjax cannot convert; "
+                                       f"supported: {', '.join(BY_ARCH)}")
+    try:
+        return ModelConfig(**values)
+    except TypeError as e:
+        raise SourceError(f"--model {path}: {e}") from e
+
+
+def open_source(src: str, kind: str, model: ModelConfig | None = None, mapping: str | None = None):
+    """The checkpoint ``src`` of format ``kind`` (not DeepSpeed), checked whole, as a reader of zinfjax leaves.
+
+    The reader has ``config`` (the `ModelConfig`), ``like`` (every leaf's stacked shape and dtype),
+    ``step``, ``tensors()`` (a stream of `Tensor`) and ``read(path, layer)``.
+    """
+    src = _strip_scheme(src)
+    if kind == "hf":
+        ckpt = HFCheckpoint(src)
+        ckpt.step = 0
+        return ckpt
+    if kind == "zinfjax":
+        return ZinfjaxCheckpoint(src)
+    if model is None:
+        raise SourceError(f"{src} is a torch state_dict, which records no model: give --model (a named size such as "
+                          "gpt2-tiny, a ModelConfig JSON or an HF config.json)")
+    if model.arch not in BY_ARCH:
+        raise UnknownArchitectureError(f"zinfjax cannot convert arch {model.arch!r}; supported: {', '.join(BY_ARCH)}")
+    table = load_mapping(mapping, model) if mapping is not None else BY_ARCH[model.arch]
+    if not os.path.isfile(src):
+        raise CheckpointFilesError(f"{src} is not a file: a torch state_dict is one .pt/.pth/.bin file")
+    ckpt = HFCheckpoint.from_files(src, model, table, StateDictFile(src))
+    ckpt.step = 0
+    return ckpt
+
+
+class ZinfjaxCheckpoint:
+    """A zinfjax checkpoint's parameters, read one layer of one leaf at a time through tensorstore.
+
+    Every chunk's crc32c is checked as it is read. ``path`` is a checkpoint or a save_dir (its newest).
+
+    Example:
+        >>> with ZinfjaxCheckpoint("runs/ckpt") as ckpt:
+        ...     q0 = ckpt.read("blocks/q/kernel", 0)
+    """
+
+    def __init__(self, path: str):
+        from zinfjax.inference.params import checkpoint_model
+
+        self.directory, self.config = checkpoint_model(path)
+        meta = read_meta(self.directory)
+        self.step = int(meta["step"])
+        if self.config.arch not in BY_ARCH:
+            raise UnknownArchitectureError(f"{self.directory} holds a {self.config.arch!r} model, which zinfjax cannot "
+                                           f"convert; supported: {', '.join(BY_ARCH)}")
+        saved, shapes = meta["items"]["params"], zinfjax_shapes(self.config)
+        where = f"{self.directory} ({self.config.arch}, {self.config.n_layers} layers)"
+        missing = [_name(p) for p in shapes if _name(p) not in saved]
+        if missing:
+            raise MissingTensorError(f"{where} lacks the params leaves {', '.join(missing)}")
+        extra = [n for n in saved if n not in {_name(p) for p in shapes}]
+        if extra:
+            raise UnexpectedTensorError(f"{where} holds params leaves the model does not have: {', '.join(extra)}")
+        for p, shape in shapes.items():
+            if tuple(saved[_name(p)]["shape"]) != shape:
+                raise ShapeMismatchError(f"{where}: leaf {_name(p)} has shape {tuple(saved[_name(p)]['shape'])}, "
+                                         f"the model implies {shape}")
+        self.like = {p: jax.ShapeDtypeStruct(s, np.dtype(saved[_name(p)]["dtype"])) for p, s in shapes.items()}
+        self._arrays: dict[str, ts.TensorStore] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return [_name(p) for p in self.like]
+
+    def tensors(self):
+        for p, s in self.like.items():
+            for layer in range(s.shape[0]) if p.startswith("blocks/") else [None]:
+                yield Tensor(p, layer, self.read(p, layer))
+
+    def read(self, path: str, layer: int | None) -> np.ndarray:
+        """One layer (``layer`` None outside blocks) of the params leaf ``path`` (``"blocks/q/kernel"``)."""
+        try:
+            array = self._open(_name(path))
+            return (array[layer] if layer is not None else array).read().result()
+        except ValueError as e:
+            where = f"leaf params/{_name(path)}" + (f", layer {layer}" if layer is not None else "")
+            raise CheckpointCorruptError(f"the checkpoint {self.directory} is corrupt at {where}: {e}") from e
+
+    def _open(self, name: str) -> ts.TensorStore:
+        if name not in self._arrays:
+            kvstore = {"driver": "file", "path": os.path.join(self.directory, "params", name)}
+            spec = {"driver": "zarr3", "kvstore": kvstore, "fill_missing_data_reads": False}
+            self._arrays[name] = ts.open(spec, open=True, read=True).result()
+        return self._arrays[name]
+
+    def close(self) -> None:
+        self._arrays.clear()
+
+    def __enter__(self) -> ZinfjaxCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _name(path: str) -> str:
+    """A params leaf's name in a checkpoint: ``blocks/q/kernel`` -> ``blocks.q.kernel``."""
+    return path.replace("/", ".")
+
+
+def write_zinfjax(source, dst: str, lr: float, progress: bool = False) -> dict:
+    """Writes ``source``'s parameters (fp32) and a fresh adamw state as the zinfjax checkpoint ``dst/<step>``.
+
+    Each source tensor goes straight into its layer's chunk; then each optimizer leaf's layer is
+    written as optax's adamw initialises it (zeros, count 0). The recorded `Config` (fp32, adamw,
+    ``lr``) and `ModelConfig` let ``zinfjax.wrap(..., restore=dst)`` train from it.
+    """
+    model = source.config
+    config = Config(precision="fp32", optimizer_name="adamw", lr=lr, model=named_size(model) or Config().model)
+    f32 = {p: jax.ShapeDtypeStruct(s, np.float32) for p, s in zinfjax_shapes(model).items()}
+    leaves = expected_leaves(traverse_util.unflatten_dict(f32, sep="/"), make_optimizer(config))
+    final = fmt.step_dir(os.path.abspath(dst), source.step)
+    if os.path.exists(final):
+        raise SourceError(f"{final} exists already: convert into another directory, or remove it first")
+    total = sum(_nbytes(leaf.meta) for item in leaves.values() for leaf in item.values())
+    check_space(dst, total)
+    try:
+        writer = CheckpointWriter(dst, source.step, leaves, config=config, model=model)
+    except OSError as e:
+        raise SourceError(f"cannot write the checkpoint under {dst}: {e.strerror}") from e
+    bar = _Bar(total, len(source.names), progress)
+    try:
+        for t in source.tensors():
+            array = t.array.astype(np.float32, copy=False)
+            writer.write("params", _name(t.path), t.layer, array)
+            bar.update(array.nbytes, tensor=(t.path, t.layer))
+        bar.phase("adamw state")
+        for name, leaf in leaves["opt_state"].items():  # adamw's init: zero moments, count 0
+            shape, dtype = leaf.meta["shape"], np.dtype(leaf.meta["dtype"])
+            for layer in range(shape[0]) if name.startswith("blocks.") else [None]:
+                zeros = np.zeros(shape[1:] if layer is not None else shape, dtype)
+                writer.write("opt_state", name, layer, zeros)
+                bar.update(zeros.nbytes)
+        path = writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    return {"path": path, "step": source.step, "tensors": len(source.names), "bytes": writer.bytes_written,
+            "dtype": "float32", "model": dataclasses.asdict(model), "lr": lr}
+
+
+def _write_hf(source, dst: str, dtype: str | None, progress: bool) -> dict:
+    if os.path.isfile(os.path.join(dst, SAFETENSORS)):
+        raise SourceError(f"{dst} already holds {SAFETENSORS}: write to an empty directory")
+    dtypes = {p: s.dtype for p, s in source.like.items()}
+    out_dtype = DTYPES[dtype] if dtype else None
+    per_item = {p: np.dtype(out_dtype).itemsize if out_dtype else np.dtype(d).itemsize for p, d in dtypes.items()}
+    total = sum(int(np.prod(s.shape, dtype=np.int64)) * per_item[p] for p, s in source.like.items())
+    hf_tensors = sum(1 for rule in BY_ARCH[source.config.arch].active(source.config.tied) if rule.paths
+                     for _ in (range(source.config.n_layers) if rule.per_layer else [None]))
+    check_space(dst, total)
+    bar = _Bar(total, hf_tensors, progress)
+    try:
+        out = write_hf(source.read, dtypes, source.config, dst, out_dtype, on_tensor=bar.update)
+    finally:
+        bar.close()
+    return {"path": os.path.abspath(dst), "step": source.step, **out, "model": dataclasses.asdict(source.config)}
+
+
+def _from_deepspeed(src: str, dst: str, to: str, model: ModelConfig | None, lr: float | None, dtype: str | None,
+                    progress: bool) -> dict:
+    from interop.deepspeed import convert_deepspeed
+
+    kwargs = {"progress": progress, **({"lr": lr} if lr is not None else {})}
+    if to == "zinfjax":
+        out = convert_deepspeed(_strip_scheme(src), dst, model, **kwargs)
+        return {**out, "model": read_meta(out["path"]).get("model")}
+    staging = os.path.join(dst, ".deepspeed-staging")  # the fp32 weights go through a zinfjax checkpoint
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staged = convert_deepspeed(_strip_scheme(src), staging, model, **kwargs)
+        with ZinfjaxCheckpoint(staged["path"]) as source:
+            return _write_hf(source, dst, dtype, progress)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def named_size(model: ModelConfig) -> str | None:
+    """The name of ``model`` among the named sizes, if it is one."""
+    return next((name for name, m in NAMED.items() if m == model), None)
+
+
+def _nbytes(meta: dict) -> int:
+    return int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
+
+
+class _Bar:
+    """A tqdm bar of bytes written, with the source tensors done so far."""
+
+    def __init__(self, total_bytes: int, tensors: int, show: bool):
+        from tqdm import tqdm
+
+        self.tensors, self.done = tensors, 0
+        self._seen: set = set()
+        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="params",
+                        disable=not show, dynamic_ncols=True)
+
+    def update(self, nbytes: int, tensor=None) -> None:
+        if tensor is None or tensor not in self._seen:
+            self.done += 1
+        self.bar.update(nbytes)
+        self.bar.set_postfix_str(f"{min(self.done, self.tensors)}/{self.tensors} tensors", refresh=False)
+
+    def phase(self, name: str) -> None:
+        self.bar.set_description_str(name, refresh=False)
+        self.bar.set_postfix_str("", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
