@@ -8,7 +8,7 @@ dropped before each, so every byte read is charged inside the group). The export
 file is compared with the source tensor by tensor; it must be bit for bit the same.
 
 Example:
-    $ python bench/convert.py --dir runs/convert --model-bytes 3GiB --memory-limit 1GiB
+    $ python bench/convert.py --dir runs/convert --model-bytes 3GiB --memory-limit 512MiB
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ import shutil
 
 import jax
 import numpy as np
-import tensorstore as ts
 from flax import traverse_util
 
 from interop.errors import (
@@ -43,8 +42,9 @@ from interop.hf import CONFIG, HFCheckpoint, Tensor, write_hf, zinfjax_shapes
 from interop.hf_config import from_hf_config
 from interop.mapping import load_mapping
 from interop.tables import BY_ARCH
-from zinfjax.checkpoint import CheckpointCorruptError, CheckpointWriter, expected_leaves, read_meta
+from zinfjax.checkpoint import CheckpointWriter, expected_leaves, read_meta
 from zinfjax.checkpoint import format as fmt
+from zinfjax.checkpoint.reader import LeafReader
 from zinfjax.config import Config, read_mapping
 from zinfjax.models import ModelConfig
 from zinfjax.models.configs import NAMED
@@ -249,7 +249,7 @@ def open_source(src: str, kind: str, model: ModelConfig | None = None, mapping: 
 
 
 class ZinfjaxCheckpoint:
-    """A zinfjax checkpoint's parameters, read one layer of one leaf at a time through tensorstore.
+    """A zinfjax checkpoint's parameters, read one layer of one leaf at a time (`LeafReader`).
 
     Every chunk's crc32c is checked as it is read. ``path`` is a checkpoint or a save_dir (its newest).
 
@@ -280,7 +280,7 @@ class ZinfjaxCheckpoint:
                 raise ShapeMismatchError(f"{where}: leaf {_name(p)} has shape {tuple(saved[_name(p)]['shape'])}, "
                                          f"the model implies {shape}")
         self.like = {p: jax.ShapeDtypeStruct(s, np.dtype(saved[_name(p)]["dtype"])) for p, s in shapes.items()}
-        self._arrays: dict[str, ts.TensorStore] = {}
+        self._reader = LeafReader(self.directory, meta["items"])
 
     @property
     def names(self) -> list[str]:
@@ -293,22 +293,10 @@ class ZinfjaxCheckpoint:
 
     def read(self, path: str, layer: int | None) -> np.ndarray:
         """One layer (``layer`` None outside blocks) of the params leaf ``path`` (``"blocks/q/kernel"``)."""
-        try:
-            array = self._open(_name(path))
-            return (array[layer] if layer is not None else array).read().result()
-        except ValueError as e:
-            where = f"leaf params/{_name(path)}" + (f", layer {layer}" if layer is not None else "")
-            raise CheckpointCorruptError(f"the checkpoint {self.directory} is corrupt at {where}: {e}") from e
-
-    def _open(self, name: str) -> ts.TensorStore:
-        if name not in self._arrays:
-            kvstore = {"driver": "file", "path": os.path.join(self.directory, "params", name)}
-            spec = {"driver": "zarr3", "kvstore": kvstore, "fill_missing_data_reads": False}
-            self._arrays[name] = ts.open(spec, open=True, read=True).result()
-        return self._arrays[name]
+        return self._reader.read("params", _name(path), layer)
 
     def close(self) -> None:
-        self._arrays.clear()
+        self._reader.close()
 
     def __enter__(self) -> ZinfjaxCheckpoint:
         return self

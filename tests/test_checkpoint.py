@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 
 from tests.engine_helpers import _tx, batches, config, initial_params, make_engine
 from tests.mounts import tmpfs
@@ -206,3 +207,26 @@ def test_writer_builds_a_checkpoint_leaf_by_leaf(tmp_path):
     assert losses_after(engine, c, 0, 2) == losses_after(fresh, c, 0, 2)
     engine.close()
     fresh.close()
+
+
+    # Whole-layer chunks are read directly; every layer equals tensorstore's reading of the zarr array.
+    from zinfjax.checkpoint import read_meta
+    from zinfjax.checkpoint.reader import LeafReader, _one_chunk
+
+    path = str(tmp_path / "ckpt" / "0")
+    items = read_meta(path)["items"]
+    reader, direct = LeafReader(path, items), 0
+    for item, metas in items.items():
+        for name, meta in metas.items():
+            spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(path, item, name)}}
+            whole = ts.open(spec, open=True, read=True).result().read().result()
+            for i in range(meta["shape"][0]) if name.startswith("blocks.") else [None]:
+                got = reader.read(item, name, i)
+                assert got.dtype == whole.dtype
+                np.testing.assert_array_equal(got, whole[i] if i is not None else whole)
+                direct += _one_chunk(meta, i)
+    assert direct > 20
+    os.remove(os.path.join(path, "params", "blocks.fc.kernel", "c", "1", "0", "0"))
+    with pytest.raises(CheckpointCorruptError, match=r"corrupt at leaf params/blocks.fc.kernel, layer 1: chunk file "
+                       r".*/c/1/0/0 is missing"):
+        reader.read("params", "blocks.fc.kernel", 1)

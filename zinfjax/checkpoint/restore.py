@@ -1,9 +1,9 @@
 """Restoring a checkpoint into an engine of any mesh, stage, process count or tiers.
 
 A checkpoint holds every leaf whole (its chunks are one device shard each, of the mesh it was
-saved on), so restoring reads each layer whole through tensorstore, which checks every chunk's
-crc32c, and writes it into the new engine's stores, which split it their own way. Memory stays
-at one layer, as when training.
+saved on), so restoring reads each layer whole (`LeafReader`: one direct read where the layer is
+one chunk, else tensorstore; every chunk's crc32c checked) and writes it into the new engine's
+stores, which split it their own way. Memory stays at one layer, as when training.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tensorstore as ts
 
 from zinfjax.checkpoint import format as fmt
-from zinfjax.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from zinfjax.checkpoint.errors import CheckpointMismatchError
 from zinfjax.checkpoint.manager import latest_checkpoint
+from zinfjax.checkpoint.reader import LeafReader
 from zinfjax.checkpoint.snapshot import Part, parts_of
 
 
@@ -39,7 +39,8 @@ class CheckpointSource:
         self.abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), abstract)
         self.step = int(self.meta["step"])
         self.data_position = int(self.meta.get("data_position", self.step))
-        self._arrays: dict[tuple[str, str], ts.TensorStore] = {}
+        hint = f"restore an earlier step (zinfjax ckpt info {os.path.dirname(self.directory)} lists them)"
+        self._reader = LeafReader(self.directory, self.meta["items"], hint)
 
     def fill(self, engine) -> None:
         """Writes the checkpoint's state into ``engine``'s (empty) stores, one layer at a time."""
@@ -86,19 +87,4 @@ class CheckpointSource:
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(part.store.like), leaves)
 
     def _read(self, item: str, name: str, layer: int | None) -> np.ndarray:
-        try:
-            array = self._open(item, name)
-            return (array[layer] if layer is not None else array).read().result()
-        except ValueError as e:
-            where = f"leaf {item}/{name}" + (f", layer {layer}" if layer is not None else "")
-            raise CheckpointCorruptError(
-                f"the checkpoint {self.directory} is corrupt at {where}: {e}; restore an earlier step "
-                f"(zinfjax ckpt info {os.path.dirname(self.directory)} lists them)") from e
-
-    def _open(self, item: str, name: str) -> ts.TensorStore:
-        key = (item, name)
-        if key not in self._arrays:
-            spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(self.directory, item, name)},
-                    "fill_missing_data_reads": False}
-            self._arrays[key] = ts.open(spec, open=True, read=True).result()
-        return self._arrays[key]
+        return self._reader.read(item, name, layer)
