@@ -188,7 +188,7 @@ def _strip_scheme(src: str) -> str:
 
 
 def resolve_model(spec: ModelConfig | str) -> ModelConfig:
-    """A `ModelConfig` from a named size, a ModelConfig JSON/YAML file, or an HF config.json (or its directory).
+    """A `ModelConfig` from an HF config.json (or its directory), or what `ModelConfig.resolve` takes.
 
     Example:
         >>> resolve_model("gpt2-tiny").n_layers
@@ -196,30 +196,13 @@ def resolve_model(spec: ModelConfig | str) -> ModelConfig:
     """
     if isinstance(spec, ModelConfig):
         return spec
-    if spec in NAMED:
-        return NAMED[spec]
     path = os.path.join(spec, CONFIG) if os.path.isdir(spec) else spec
-    if not os.path.isfile(path):
-        raise SourceError(f"--model {spec!r} is neither a named size ({', '.join(NAMED)}) nor a ModelConfig or "
-                          "Hugging Face config file")
-    values = read_mapping(path, "--model file", SourceError)
-    if "model_type" in values:
-        return from_hf_config(values)
-    if "arch" not in values:
-        raise SourceError(f"--model {path} is neither a ModelConfig (with 'arch') nor a Hugging Face config.json "
-                          "(with 'model_type')")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise SourceError(f"--model {path}: unknown ModelConfig field(s) {', '.join(unknown)}; known: "
-                          f"{', '.join(sorted(known))}")
-    if values["arch"] not in BY_ARCH:
-        raise UnknownArchitectureError(f"--model {path} has arch {values['arch']!r}, which zinfjax cannot convert; "
+    values = read_mapping(path, "--model file", SourceError) if os.path.isfile(path) else {}
+    model = from_hf_config(values) if "model_type" in values else ModelConfig.resolve(spec)
+    if model.arch not in BY_ARCH:
+        raise UnknownArchitectureError(f"--model {spec} has arch {model.arch!r}, which zinfjax cannot convert; "
                                        f"supported: {', '.join(BY_ARCH)}")
-    try:
-        return ModelConfig(**values)
-    except TypeError as e:
-        raise SourceError(f"--model {path}: {e}") from e
+    return model
 
 
 def open_source(src: str, kind: str, model: ModelConfig | None = None, mapping: str | None = None):

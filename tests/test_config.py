@@ -4,6 +4,7 @@ import pytest
 
 from zinfjax import Config, ConfigError
 from zinfjax.config import parse_mesh
+from zinfjax.errors import UserError
 
 
 def test_defaults_are_valid_and_keys_are_the_public_contract():
@@ -97,3 +98,28 @@ def test_parse_mesh():
     assert parse_mesh("data:-1") == {"data": -1}
     with pytest.raises(ConfigError):
         parse_mesh("data:-1,model:-1")
+
+
+def test_model_is_a_named_size_a_model_file_or_a_checkpoint(tmp_path):
+    import dataclasses
+
+    import yaml
+
+    from zinfjax.models import NAMED, ModelConfig
+
+    mini = dataclasses.asdict(NAMED["gpt2-mini"].replace(n_layers=3))
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(mini))
+    assert ModelConfig.resolve(str(tmp_path / "model.yaml")) == NAMED["gpt2-mini"].replace(n_layers=3)
+    assert Config.load(None, [f"model={tmp_path / 'model.yaml'}"]).model == str(tmp_path / "model.yaml")
+
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**mini, "n_layer": 3}))
+    with pytest.raises(ConfigError, match=r"unknown ModelConfig field\(s\) n_layer; known: arch, d_ff"):
+        Config.load(None, [f"model={tmp_path / 'bad.yaml'}"])
+    (tmp_path / "arch.yaml").write_text(yaml.safe_dump({**mini, "arch": "mamba"}))
+    with pytest.raises(ConfigError, match="arch 'mamba' is not one of gpt2, llama, bert"):
+        ModelConfig.resolve(str(tmp_path / "arch.yaml"))
+    with pytest.raises(ConfigError, match="unknown model 'gpt5'; choose one of gpt2-tiny.*or a zinfjax checkpoint"):
+        Config.load(None, ["model=gpt5"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no complete checkpoint|holds no checkpoint|no checkpoint"):
+        Config.load(None, [f"model={tmp_path / 'empty'}"])

@@ -123,6 +123,30 @@ def test_hf_converts_and_trains_as_the_in_memory_optax_loop(hf, tmp_path, capsys
     assert relative_error(jax.tree.map(np.asarray, ref_params), after) < 1e-6
 
 
+def test_zinfjax_train_continues_a_converted_model_from_its_checkpoint(hf, tmp_path, capsys):
+    """model= and save_dir= name the converted checkpoint; the first loss is transformers' on the same batch."""
+    from zinfjax.data import Batches, load_tokens
+
+    src, model = hf["gpt2"]
+    run = tmp_path / "run"
+    convert_json(capsys, src, run)
+    np.random.default_rng(0).integers(0, VOCAB, 20000).astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    sets = {"model": run, "save_dir": run, "resume": "true", "steps": 3, "seq_len": 16, "batch_size": 4,
+            "mesh": "data:2", "data": tmp_path / "tokens.bin", "params": "nvme", "optimizer": "nvme",
+            "nvme_path": tmp_path / "nvme", "log": tmp_path / "log.json"}
+    code = main(["train", "--quiet", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]])
+    assert code == 0, capsys.readouterr().err
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert [s["step"] for s in log["steps"]] == [1, 2, 3] and log["resumed_from"]["step"] == 0
+
+    batch = np.asarray(Batches(load_tokens(str(tmp_path / "tokens.bin")), 4, 16, seed=0).batch(0)).astype(np.int64)
+    with torch.no_grad():
+        logits = model(torch.tensor(batch[:, :-1])).logits
+        expected = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.tensor(batch[:, 1:]).reshape(-1))
+    np.testing.assert_allclose(log["steps"][0]["loss"], float(expected), rtol=1e-5)
+    assert read_meta(str(run / "3"))["model"] == read_meta(str(run / "0"))["model"]
+
+
 def test_hf_to_zinfjax_to_hf_is_bitwise_and_transformers_loads_it(hf, tmp_path, capsys):
     for name in ("gpt2", "llama-gqa"):
         src, model = hf[name]

@@ -243,7 +243,7 @@ def _validate(c: Config) -> None:
     parse_mesh(c.mesh)
     from zinfjax.models.configs import ModelConfig
 
-    ModelConfig.named(c.model)
+    ModelConfig.resolve(c.model)
 
 
 KEY_DOCS = {
@@ -260,7 +260,8 @@ KEY_DOCS = {
     "grad_clip": "global-norm gradient clipping threshold; 0 is off",
     "grad_accum": "micro-batches per optimizer step",
     "mesh": "device mesh, e.g. data:4,model:2; -1 takes the remaining devices",
-    "model": f"named model size: {', '.join(['gpt2-tiny', 'gpt2-small', '...', 'llama-7b'])}",
+    "model": f"named model size ({', '.join(['gpt2-tiny', 'gpt2-small', '...', 'llama-7b'])}), a ModelConfig "
+             "JSON/YAML file, or a zinfjax checkpoint directory whose model to train (zinfjax convert writes one)",
     "data": "demo (embedded corpus), a .bin uint16 token file, a .txt file, a directory or a glob",
     "steps": "optimizer steps to run",
     "batch_size": "sequences per optimizer step (split over micro-batches and the data axis)",

@@ -109,7 +109,7 @@ def uses_engine(config: Config) -> bool:
 
 def build_trainer(config: Config):
     """The model, mesh and trainer a config describes."""
-    model_config = models.ModelConfig.named(config.model)
+    model_config = models.ModelConfig.resolve(config.model)
     model = models.build(model_config, COMPUTE_DTYPES[config.precision])
     mesh = make_mesh(config.mesh_axes())
     check_batch(config.batch_size, mesh, config.grad_accum)

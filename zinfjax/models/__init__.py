@@ -29,12 +29,12 @@ ARCHS = {"gpt2": GPT, "llama": Llama, "bert": Bert}
 
 
 def build(model: str | ModelConfig, dtype: Any = jnp.float32):
-    """Builds a reference model from a named size or a `ModelConfig`.
+    """Builds a reference model from a `ModelConfig`, or what `ModelConfig.resolve` takes (a named size).
 
     Example:
         >>> model = build("llama-tiny")
     """
-    config = ModelConfig.named(model) if isinstance(model, str) else model
+    config = ModelConfig.resolve(model) if isinstance(model, str) else model
     return ARCHS[config.arch](config, dtype)
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from zinfjax.errors import ConfigError
+
+ARCH_NAMES = ("gpt2", "llama", "bert")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,49 @@ class ModelConfig:
         if name not in NAMED:
             raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(NAMED)}")
         return NAMED[name]
+
+    @staticmethod
+    def resolve(spec: str) -> ModelConfig:
+        """A named size, a ModelConfig JSON/YAML file, or the model a zinfjax checkpoint (or save_dir) records.
+
+        Example:
+            >>> ModelConfig.resolve("gpt2-tiny").n_layers
+            4
+            >>> ModelConfig.resolve("runs/gpt2").vocab_size      # a checkpoint written by `zinfjax convert`
+            50257
+        """
+        if spec in NAMED:
+            return NAMED[spec]
+        if os.path.isdir(spec):
+            from zinfjax.inference.params import checkpoint_model
+
+            return checkpoint_model(spec)[1]
+        if not os.path.isfile(spec):
+            raise ConfigError(f"unknown model {spec!r}; choose one of {', '.join(NAMED)}, or give a ModelConfig "
+                              "JSON/YAML file or a zinfjax checkpoint directory (zinfjax convert writes one)")
+        from zinfjax.config import read_mapping
+
+        return ModelConfig.from_dict(read_mapping(spec, "model file"), spec)
+
+    @staticmethod
+    def from_dict(values: dict, where: str = "the model") -> ModelConfig:
+        """A `ModelConfig` from its fields; unknown or missing fields are named.
+
+        Example:
+            >>> ModelConfig.from_dict(dataclasses.asdict(NAMED["gpt2-tiny"])) == NAMED["gpt2-tiny"]
+            True
+        """
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise ConfigError(f"{where}: unknown ModelConfig field(s) {', '.join(unknown)}; known: "
+                              f"{', '.join(sorted(fields))}")
+        if values.get("arch") not in ARCH_NAMES:
+            raise ConfigError(f"{where}: arch {values.get('arch')!r} is not one of {', '.join(ARCH_NAMES)}")
+        try:
+            return ModelConfig(**values)
+        except TypeError as e:
+            raise ConfigError(f"{where}: {e}") from e
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
