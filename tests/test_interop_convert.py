@@ -231,6 +231,14 @@ def test_a_state_dict_converts_by_hf_names_or_by_a_mapping(hf, tmp_path, capsys)
                        "--mapping", NANOGPT_MAPPING)
     assert_same_params(params_of(out["path"]), expected)
 
+    # --to hf from a torch state_dict: Hugging Face's names and layouts, every tensor as the original.
+    out = convert_json(capsys, tmp_path / "ckpt.pt", tmp_path / "nano-hf", "--to", "hf", "--model", src,
+                       "--mapping", NANOGPT_MAPPING)
+    assert out["format"] == "torch"
+    original, again = original_tensors(src), original_tensors(str(tmp_path / "nano-hf"))
+    assert sorted(again) == sorted(original)
+    assert [n for n in again if not same_bits(again[n], original[n])] == []
+
 
 def write_mapping(tmp_path, edit) -> str:
     with open(NANOGPT_MAPPING) as f:
