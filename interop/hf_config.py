@@ -15,6 +15,7 @@ from interop.tables import BY_ARCH, TABLES
 from zinfjax.models import ModelConfig
 
 _NEEDED = object()
+GPT2_EOS = 50256  # GPT2Config's default bos and eos token id: <|endoftext|>
 
 # The variant each zinfjax model computes; a config.json that asks for another is refused, naming the
 # key. The first value is HF's default (assumed when the key is absent) and the one `to_hf_config` writes.
@@ -70,6 +71,8 @@ def to_hf_config(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     table = BY_ARCH[config.arch]
     out = {"model_type": table.model_type, "architectures": [table.export_as], "dtype": dtype}
     out |= {key: allowed[0] for key, allowed in REQUIRED[table.model_type].items()}
+    if config.arch == "gpt2" and config.vocab_size <= GPT2_EOS:  # HF's default ids would lie outside the vocabulary
+        out |= {"bos_token_id": None, "eos_token_id": None}
     return out | _TO_HF[config.arch](config)
 
 
