@@ -50,7 +50,7 @@ from zinfjax.models import ModelConfig
 from zinfjax.models.configs import NAMED
 from zinfjax.optim import make_optimizer
 from zinfjax.store.disk import free_bytes, is_disk_full
-from zinfjax.units import format_bytes
+from zinfjax.units import format_bytes, parse_bytes
 
 FORMATS = ("hf", "deepspeed", "zinfjax", "torch")
 TARGETS = ("zinfjax", "hf")
@@ -64,7 +64,7 @@ class SourceError(ConversionError):
 
 def convert(src: str, dst: str, to: str = "zinfjax", *, source_format: str | None = None,
             model: ModelConfig | str | None = None, mapping: str | None = None, lr: float | None = None,
-            dtype: str | None = None, progress: bool = False) -> dict:
+            dtype: str | None = None, max_shard_size: int | str = "5GB", progress: bool = False) -> dict:
     """Converts the checkpoint ``src`` into a zinfjax checkpoint (``to="zinfjax"``) or an HF directory (``"hf"``).
 
     Args:
@@ -79,6 +79,8 @@ def convert(src: str, dst: str, to: str = "zinfjax", *, source_format: str | Non
         lr: the learning rate recorded with a fresh adamw state (default 3e-4); for DeepSpeed, an
             override of the optimizer's.
         dtype: ``to="hf"`` only: ``fp32``, ``bf16`` or ``fp16`` (default: the source's).
+        max_shard_size: ``to="hf"`` only: past this size (``"5GB"``, as transformers) the tensors go
+            into shards with a ``model.safetensors.index.json``.
         progress: show a progress bar (bytes, tensors).
 
     Returns:
@@ -98,17 +100,18 @@ def convert(src: str, dst: str, to: str = "zinfjax", *, source_format: str | Non
     if model is not None and kind in ("hf", "zinfjax"):
         raise SourceError(f"{src} is a {kind} checkpoint, which records its own model: leave out --model")
     model_config = resolve_model(model) if model is not None else None
+    hf = HFTarget(DTYPES[dtype] if dtype else None, parse_bytes(max_shard_size))
     try:
-        out = _convert(src, dst, to, kind, model_config, mapping, lr, dtype, progress)
+        out = _convert(src, dst, to, kind, model_config, mapping, lr, hf, progress)
     except OSError as e:
         raise _write_error(dst, e) from e
     return {"source": os.path.abspath(src), "format": kind, "to": to, **out}
 
 
 def _convert(src: str, dst: str, to: str, kind: str, model_config: ModelConfig | None, mapping: str | None,
-             lr: float | None, dtype: str | None, progress: bool) -> dict:
+             lr: float | None, hf: HFTarget, progress: bool) -> dict:
     if kind == "deepspeed":
-        out = _from_deepspeed(src, dst, to, model_config, lr, dtype, progress)
+        out = _from_deepspeed(src, dst, to, model_config, lr, hf, progress)
     elif to == "zinfjax":
         if kind == "zinfjax":
             raise SourceError(f"{src} is a zinfjax checkpoint already; --to hf writes Hugging Face's layout")
@@ -116,7 +119,7 @@ def _convert(src: str, dst: str, to: str, kind: str, model_config: ModelConfig |
             out = write_zinfjax(source, dst, lr if lr is not None else Config().lr, progress)
     else:
         with open_source(src, kind, model_config, mapping) as source:
-            out = _write_hf(source, dst, dtype, progress)
+            out = _write_hf(source, dst, hf, progress)
     return out
 
 
@@ -336,11 +339,19 @@ def write_zinfjax(source, dst: str, lr: float, progress: bool = False) -> dict:
             "dtype": "float32", "model": dataclasses.asdict(model), "lr": lr}
 
 
-def _write_hf(source, dst: str, dtype: str | None, progress: bool) -> dict:
-    if os.path.isfile(os.path.join(dst, SAFETENSORS)):
-        raise SourceError(f"{dst} already holds {SAFETENSORS}: write to an empty directory")
+@dataclasses.dataclass(frozen=True)
+class HFTarget:
+    """How ``--to hf`` writes: the tensors' dtype (None: the source's) and the shard size."""
+
+    dtype: str | None
+    max_shard_bytes: int
+
+
+def _write_hf(source, dst: str, hf: HFTarget, progress: bool) -> dict:
+    if os.path.isfile(os.path.join(dst, SAFETENSORS)) or glob.glob(os.path.join(dst, "model-*-of-*.safetensors")):
+        raise SourceError(f"{dst} already holds a model's safetensors: write to an empty directory")
     dtypes = {p: s.dtype for p, s in source.like.items()}
-    out_dtype = DTYPES[dtype] if dtype else None
+    out_dtype = hf.dtype
     per_item = {p: np.dtype(out_dtype).itemsize if out_dtype else np.dtype(d).itemsize for p, d in dtypes.items()}
     total = sum(int(np.prod(s.shape, dtype=np.int64)) * per_item[p] for p, s in source.like.items())
     hf_tensors = sum(1 for rule in BY_ARCH[source.config.arch].active(source.config.tied) if rule.paths
@@ -348,13 +359,14 @@ def _write_hf(source, dst: str, dtype: str | None, progress: bool) -> dict:
     check_space(dst, total)
     bar = _Bar(total, hf_tensors, progress)
     try:
-        out = write_hf(source.read, dtypes, source.config, dst, out_dtype, on_tensor=bar.update)
+        out = write_hf(source.read, dtypes, source.config, dst, out_dtype, on_tensor=bar.update,
+                       max_shard_bytes=hf.max_shard_bytes)
     finally:
         bar.close()
     return {"path": os.path.abspath(dst), "step": source.step, **out, "model": dataclasses.asdict(source.config)}
 
 
-def _from_deepspeed(src: str, dst: str, to: str, model: ModelConfig | None, lr: float | None, dtype: str | None,
+def _from_deepspeed(src: str, dst: str, to: str, model: ModelConfig | None, lr: float | None, hf: HFTarget,
                     progress: bool) -> dict:
     from interop.deepspeed import convert_deepspeed
 
@@ -367,7 +379,7 @@ def _from_deepspeed(src: str, dst: str, to: str, model: ModelConfig | None, lr: 
     try:
         staged = convert_deepspeed(_strip_scheme(src), staging, model, **kwargs)
         with ZinfjaxCheckpoint(staged["path"]) as source:
-            return _write_hf(source, dst, dtype, progress)
+            return _write_hf(source, dst, hf, progress)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -14,7 +14,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -199,13 +201,18 @@ def save_hf(params: Any, config: ModelConfig, directory: str) -> None:
 
 
 def write_hf(read: Callable[[str, int | None], np.ndarray], dtypes: dict[str, Any], config: ModelConfig,
-             directory: str, dtype: Any = None, on_tensor: Callable[[int], None] | None = None) -> dict:
+             directory: str, dtype: Any = None, on_tensor: Callable[[int], None] | None = None,
+             max_shard_bytes: int = 5 * 10**9) -> dict:
     """Writes an HF directory (config.json, model.safetensors) one HF tensor at a time.
 
     ``read(path, layer)`` gives one layer of one zinfjax leaf (``layer`` None outside blocks) and
     ``dtypes`` each leaf's dtype, so the safetensors header is written before any tensor is read;
     then each HF tensor is assembled from its parts, cast to ``dtype`` (default: its own), written
     and dropped. Memory stays at one HF tensor. ``on_tensor(nbytes)`` follows each write.
+
+    Past ``max_shard_bytes`` (5 GB, as transformers shards) the tensors go into shards
+    ``model-00001-of-0000N.safetensors`` with ``model.safetensors.index.json``, written last.
+    A failure removes the shards already written.
 
     Returns:
         ``tensors``, ``bytes`` and ``dtype`` (of the first tensor, as config.json records it).
@@ -218,6 +225,7 @@ def write_hf(read: Callable[[str, int | None], np.ndarray], dtypes: dict[str, An
         raise UnknownArchitectureError(f"zinfjax cannot export arch {config.arch!r}; supported: {', '.join(BY_ARCH)}")
     table = BY_ARCH[config.arch]
     stale = [f for f in (SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX) if os.path.exists(os.path.join(directory, f))]
+    stale += sorted(os.path.basename(f) for f in glob.glob(os.path.join(directory, "model-*-of-*.safetensors")))
     if stale:
         raise CheckpointFilesError(f"{directory} already holds {', '.join(stale)}: write to an empty directory")
     shapes = zinfjax_shapes(config)
@@ -227,19 +235,58 @@ def write_hf(read: Callable[[str, int | None], np.ndarray], dtypes: dict[str, An
         return np.dtype(dtype) if dtype is not None else np.dtype(dtypes[rule.paths[0]])
 
     specs = [(name, out_dtype(e.rule), _hf_shape(e, shapes)) for name, e in entries]
+    shards = _shards([_nbytes(dt, shape) for _, dt, shape in specs], max_shard_bytes)
+    files = [SAFETENSORS] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                    for k in range(len(shards))]
     os.makedirs(directory, exist_ok=True)
-    with SafetensorsWriter(os.path.join(directory, SAFETENSORS), specs) as writer:
-        for _, (rule, layer) in entries:
-            parts = [to_hf(rule.layout, read(p, layer), rule.in_axes) for p in rule.paths]
-            a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=FUSE_AXIS[rule.layout])
-            del parts
-            a = a.astype(out_dtype(rule), copy=False)
-            writer.write(a)
-            if on_tensor is not None:
-                on_tensor(a.nbytes)
+    written = 0
+    try:
+        for file, shard in zip(files, shards, strict=True):
+            with SafetensorsWriter(os.path.join(directory, file), [specs[k] for k in shard]) as writer:
+                for k in shard:
+                    rule, layer = entries[k][1]
+                    parts = [to_hf(rule.layout, read(p, layer), rule.in_axes) for p in rule.paths]
+                    a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=FUSE_AXIS[rule.layout])
+                    del parts
+                    a = a.astype(out_dtype(rule), copy=False)
+                    writer.write(a)
+                    if on_tensor is not None:
+                        on_tensor(a.nbytes)
+            written += writer.bytes_written
+        if len(files) > 1:
+            weight_map = {specs[k][0]: file for file, shard in zip(files, shards, strict=True) for k in shard}
+            _write_json(os.path.join(directory, SAFETENSORS_INDEX),
+                        {"metadata": {"total_size": written}, "weight_map": weight_map})
+    except BaseException:
+        for file in files:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, file))
+        raise
     first = specs[0][1].name
     _write_json(os.path.join(directory, CONFIG), to_hf_config(config, first))
-    return {"tensors": len(specs), "bytes": writer.bytes_written, "dtype": first}
+    return {"tensors": len(specs), "bytes": written, "dtype": first, "files": len(files)}
+
+
+def _nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def _shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Consecutive tensors grouped into shards of at most ``max_bytes`` (a larger tensor alone in its own).
+
+    Example:
+        >>> _shards([4, 4, 4, 10, 1], 8)
+        [[0, 1], [2], [3], [4]]
+    """
+    shards: list[list[int]] = [[]]
+    total = 0
+    for k, size in enumerate(sizes):
+        if shards[-1] and total + size > max_bytes:
+            shards.append([])
+            total = 0
+        shards[-1].append(k)
+        total += size
+    return shards
 
 
 @functools.cache

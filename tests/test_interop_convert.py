@@ -185,6 +185,25 @@ def test_the_example_fine_tunes_a_converted_model_and_transformers_scores_it_bet
     print(out.stdout)
 
 
+def test_a_large_export_is_sharded_with_an_index_as_transformers_writes(hf, tmp_path, capsys):
+    src, model = hf["llama-gqa"]
+    out = convert_json(capsys, src, tmp_path / "sharded", "--to", "hf", "--max-shard-size", "40KB")
+    files = sorted(f for f in os.listdir(tmp_path / "sharded") if f.endswith(".safetensors"))
+    assert out["files"] == len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == files
+    assert index["metadata"]["total_size"] == out["bytes"]
+    original, again = original_tensors(src), original_tensors(str(tmp_path / "sharded"))
+    assert sorted(again) == sorted(original)
+    assert [n for n in again if not same_bits(again[n], original[n])] == []
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "sharded")).eval()
+    x = torch.tensor(np.random.default_rng(1).integers(0, VOCAB, (2, 12)))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, model(x).logits)
+    assert_same_params(params_of(convert_json(capsys, tmp_path / "sharded", tmp_path / "again")["path"]),
+                       flat_params(src))
+
+
 def test_hf_to_hf_in_another_dtype(hf, tmp_path, capsys):
     src, _ = hf["gpt2"]
     summary = convert_json(capsys, src, tmp_path / "bf16", "--to", "hf", "--dtype", "bf16")
@@ -360,7 +379,7 @@ def test_existing_output_is_never_overwritten(hf, tmp_path, capsys):
     assert sorted(os.listdir(first["path"])) == before
     convert_json(capsys, src, tmp_path / "hf", "--to", "hf")
     code, _, err = convert(capsys, src, tmp_path / "hf", "--to", "hf", "--quiet")
-    assert code == 2 and "already holds model.safetensors" in err
+    assert code == 2 and "already holds a model's safetensors" in err
 
 
 def test_a_corrupt_zinfjax_checkpoint_is_named_and_no_model_is_written(hf, tmp_path, capsys):

@@ -265,6 +265,8 @@ def add_convert(sub) -> None:
                    "DeepSpeed: the run's own)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="--to hf: the dtype of the written tensors "
                    "(default: the source's)")
+    p.add_argument("--max-shard-size", default="5GB", help="--to hf: past this size the tensors go into shards "
+                   "with a model.safetensors.index.json, as transformers writes (default 5GB)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_convert)
@@ -284,7 +286,8 @@ def _convert(args) -> int:
                           "pip install 'zinfjax[torch]'") from e
 
     out = convert(args.src, args.dst, args.to, source_format=args.source_format, model=args.model,
-                  mapping=args.mapping, lr=args.lr, dtype=args.dtype, progress=not args.quiet)
+                  mapping=args.mapping, lr=args.lr, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                  progress=not args.quiet)
     if args.json:
         print(json.dumps(out))
     else:
