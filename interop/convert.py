@@ -316,13 +316,13 @@ def write_zinfjax(source, dst: str, lr: float, progress: bool = False) -> dict:
         writer = CheckpointWriter(dst, source.step, leaves, config=config, model=model)
     except OSError as e:
         raise SourceError(f"cannot write the checkpoint under {dst}: {e.strerror}") from e
-    bar = _Bar(total, len(source.names), progress)
+    bar = _Bar(total, _chunks(leaves["params"]), progress)
     try:
         for t in source.tensors():
             array = t.array.astype(np.float32, copy=False)
             writer.write("params", _name(t.path), t.layer, array)
-            bar.update(array.nbytes, tensor=(t.path, t.layer))
-        bar.phase("adamw state")
+            bar.update(array.nbytes)
+        bar.phase("adamw state", _chunks(leaves["opt_state"]))
         for name, leaf in leaves["opt_state"].items():  # adamw's init: zero moments, count 0
             shape, dtype = leaf.meta["shape"], np.dtype(leaf.meta["dtype"])
             for layer in range(shape[0]) if name.startswith("blocks.") else [None]:
@@ -393,26 +393,29 @@ def _nbytes(meta: dict) -> int:
     return int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
 
 
+def _chunks(leaves: dict) -> int:
+    """The chunks a checkpoint's leaves are written as: one per layer of a block leaf, one per other leaf."""
+    return sum(leaf.meta["shape"][0] if name.startswith("blocks.") else 1 for name, leaf in leaves.items())
+
+
 class _Bar:
-    """A tqdm bar of bytes written, with the source tensors done so far."""
+    """A tqdm bar of the bytes written, with the tensors (or chunks) of the current phase written so far."""
 
     def __init__(self, total_bytes: int, tensors: int, show: bool):
         from tqdm import tqdm
 
         self.tensors, self.done = tensors, 0
-        self._seen: set = set()
         self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="params",
                         disable=not show, dynamic_ncols=True)
 
-    def update(self, nbytes: int, tensor=None) -> None:
-        if tensor is None or tensor not in self._seen:
-            self.done += 1
+    def update(self, nbytes: int) -> None:
+        self.done += 1
         self.bar.update(nbytes)
-        self.bar.set_postfix_str(f"{min(self.done, self.tensors)}/{self.tensors} tensors", refresh=False)
+        self.bar.set_postfix_str(f"{self.done}/{self.tensors} tensors", refresh=False)
 
-    def phase(self, name: str) -> None:
+    def phase(self, name: str, tensors: int) -> None:
+        self.tensors, self.done = tensors, 0
         self.bar.set_description_str(name, refresh=False)
-        self.bar.set_postfix_str("", refresh=False)
 
     def close(self) -> None:
         self.bar.close()
