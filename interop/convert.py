@@ -38,7 +38,7 @@ from interop.errors import (
     UnknownArchitectureError,
 )
 from interop.files import SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX, StateDictFile
-from interop.hf import CONFIG, HFCheckpoint, Tensor, write_hf, zinfjax_shapes
+from interop.hf import CONFIG, HFCheckpoint, Tensor, hf_specs, write_hf, zinfjax_shapes
 from interop.hf_config import from_hf_config
 from interop.mapping import load_mapping
 from interop.tables import BY_ARCH
@@ -312,10 +312,7 @@ def write_zinfjax(source, dst: str, lr: float, progress: bool = False) -> dict:
         raise SourceError(f"{final} exists already: convert into another directory, or remove it first")
     total = sum(_nbytes(leaf.meta) for item in leaves.values() for leaf in item.values())
     check_space(dst, total)
-    try:
-        writer = CheckpointWriter(dst, source.step, leaves, config=config, model=model)
-    except OSError as e:
-        raise SourceError(f"cannot write the checkpoint under {dst}: {e.strerror}") from e
+    writer = CheckpointWriter(dst, source.step, leaves, config=config, model=model)
     bar = _Bar(total, _chunks(leaves["params"]), progress)
     try:
         for t in source.tensors():
@@ -351,15 +348,12 @@ def _write_hf(source, dst: str, hf: HFTarget, progress: bool) -> dict:
     if os.path.isfile(os.path.join(dst, SAFETENSORS)) or glob.glob(os.path.join(dst, "model-*-of-*.safetensors")):
         raise SourceError(f"{dst} already holds a model's safetensors: write to an empty directory")
     dtypes = {p: s.dtype for p, s in source.like.items()}
-    out_dtype = hf.dtype
-    per_item = {p: np.dtype(out_dtype).itemsize if out_dtype else np.dtype(d).itemsize for p, d in dtypes.items()}
-    total = sum(int(np.prod(s.shape, dtype=np.int64)) * per_item[p] for p, s in source.like.items())
-    hf_tensors = sum(1 for rule in BY_ARCH[source.config.arch].active(source.config.tied) if rule.paths
-                     for _ in (range(source.config.n_layers) if rule.per_layer else [None]))
+    specs = hf_specs(source.config, dtypes, hf.dtype)
+    total = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for _, dt, shape in specs)
     check_space(dst, total)
-    bar = _Bar(total, hf_tensors, progress)
+    bar = _Bar(total, len(specs), progress)
     try:
-        out = write_hf(source.read, dtypes, source.config, dst, out_dtype, on_tensor=bar.update,
+        out = write_hf(source.read, dtypes, source.config, dst, hf.dtype, on_tensor=bar.update,
                        max_shard_bytes=hf.max_shard_bytes)
     finally:
         bar.close()

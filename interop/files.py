@@ -167,18 +167,16 @@ class StateDictFile(TensorFiles):
     def __init__(self, path: str):
         if not os.path.isfile(path):
             raise CheckpointFilesError(f"{path} does not exist")
-        self._stack_for_file = ExitStack()
-        opened = _open_file(self._stack_for_file, path)
-        self._tensors = opened if path.endswith(".safetensors") else _state_dict(opened, path)
-        names = list(self._tensors.keys())
-        super().__init__(os.path.dirname(os.path.abspath(path)), dict.fromkeys(names, os.path.basename(path)))
-
-    def _file(self, name: str):
-        return self._tensors
-
-    def close(self) -> None:
-        self._stack_for_file.close()
-        super().close()
+        directory, filename = os.path.split(os.path.abspath(path))
+        super().__init__(directory, {})
+        try:
+            opened = _open_file(self._stack, path)
+            tensors = opened if path.endswith(".safetensors") else _state_dict(opened, path)
+        except BaseException:
+            self.close()
+            raise
+        self._open[filename] = tensors
+        self._where = dict.fromkeys(tensors.keys(), filename)
 
 
 def _state_dict(obj, path: str) -> dict:

@@ -221,20 +221,12 @@ def write_hf(read: Callable[[str, int | None], np.ndarray], dtypes: dict[str, An
         >>> with ZinfjaxCheckpoint("runs/ckpt") as src:
         ...     write_hf(src.read, {p: s.dtype for p, s in src.like.items()}, src.config, "out/", "bfloat16")
     """
-    if config.arch not in BY_ARCH:
-        raise UnknownArchitectureError(f"zinfjax cannot export arch {config.arch!r}; supported: {', '.join(BY_ARCH)}")
-    table = BY_ARCH[config.arch]
     stale = [f for f in (SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX) if os.path.exists(os.path.join(directory, f))]
     stale += sorted(os.path.basename(f) for f in glob.glob(os.path.join(directory, "model-*-of-*.safetensors")))
     if stale:
         raise CheckpointFilesError(f"{directory} already holds {', '.join(stale)}: write to an empty directory")
-    shapes = zinfjax_shapes(config)
-    entries = [(name, e) for name, e in _expected(table, config, table.bodies[0]).items() if e.rule.paths]
-
-    def out_dtype(rule: Rule) -> np.dtype:
-        return np.dtype(dtype) if dtype is not None else np.dtype(dtypes[rule.paths[0]])
-
-    specs = [(name, out_dtype(e.rule), _hf_shape(e, shapes)) for name, e in entries]
+    specs = hf_specs(config, dtypes, dtype)  # refuses an unknown architecture
+    entries = _export_entries(config)
     shards = _shards([_nbytes(dt, shape) for _, dt, shape in specs], max_shard_bytes)
     files = [SAFETENSORS] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
                                                     for k in range(len(shards))]
@@ -248,7 +240,7 @@ def write_hf(read: Callable[[str, int | None], np.ndarray], dtypes: dict[str, An
                     parts = [to_hf(rule.layout, read(p, layer), rule.in_axes) for p in rule.paths]
                     a = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=FUSE_AXIS[rule.layout])
                     del parts
-                    a = a.astype(out_dtype(rule), copy=False)
+                    a = a.astype(specs[k][1], copy=False)
                     writer.write(a)
                     if on_tensor is not None:
                         on_tensor(a.nbytes)
@@ -265,6 +257,28 @@ def write_hf(read: Callable[[str, int | None], np.ndarray], dtypes: dict[str, An
     first = specs[0][1].name
     _write_json(os.path.join(directory, CONFIG), to_hf_config(config, first))
     return {"tensors": len(specs), "bytes": written, "dtype": first, "files": len(files)}
+
+
+def hf_specs(config: ModelConfig, dtypes: dict[str, Any], dtype: Any = None) -> list[tuple[str, np.dtype, tuple]]:
+    """Every HF tensor an export of ``config`` writes, in order: ``(name, dtype, shape)``.
+
+    A tensor's dtype is ``dtype``, or else that of its (first) zinfjax leaf in ``dtypes``.
+
+    Example:
+        >>> hf_specs(ModelConfig.named("gpt2-tiny"), dtypes)[0]
+        ('transformer.wte.weight', dtype('float32'), (256, 64))
+    """
+    if config.arch not in BY_ARCH:
+        raise UnknownArchitectureError(f"zinfjax cannot export arch {config.arch!r}; supported: {', '.join(BY_ARCH)}")
+    shapes = zinfjax_shapes(config)
+    return [(name, np.dtype(dtype if dtype is not None else dtypes[e.rule.paths[0]]), _hf_shape(e, shapes))
+            for name, e in _export_entries(config)]
+
+
+def _export_entries(config: ModelConfig) -> list[tuple[str, _Entry]]:
+    """The HF tensors an export writes, with the rule and layer each comes from (tensors with no leaves left out)."""
+    table = BY_ARCH[config.arch]
+    return [(name, e) for name, e in _expected(table, config, table.bodies[0]).items() if e.rule.paths]
 
 
 def _nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:

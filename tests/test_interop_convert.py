@@ -433,3 +433,13 @@ def test_a_checkpoint_larger_than_its_memory_cgroup_converts_both_ways(tmp_path)
         assert result[way]["cgroup_max_usage_GB"] <= result["memory_limit_GB"]
     assert result["to_zinfjax"]["written_GB"] > 3 * result["source_GB"] * 0.99  # weights, mu and nu
     assert result["round_trip_bitwise"] and result["round_trip_tensors"] == 4 + 12 * result["layers"]
+
+
+def test_an_unwritable_destination_is_one_line_and_nothing_is_written(hf, tmp_path, capsys):
+    src, _ = hf["gpt2"]
+    with tmpfs(tmp_path / "ro", "16m", read_only=True) as ro:
+        for to in ("zinfjax", "hf"):
+            code, _, err = convert(capsys, src, ro / "out", "--to", to, "--quiet")
+            assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+            assert f"cannot write {ro / 'out'}" in err and "Read-only file system" in err, err
+            assert os.listdir(ro) == []
