@@ -1,23 +1,29 @@
-"""The streaming step: a prefetching scan over layers, with every part of the state on its tier.
+"""The streaming step: a program's stages run one layer at a time, with every part of the state on its tier.
 
-Forward reads each layer's parameters ``prefetch_depth`` layers ahead and writes the
-layer-boundary activations to their tier. Backward walks the layers in reverse, reads
-parameters, activation and optimizer state ahead, recomputes each layer inside its VJP,
-and hands the layer's gradient to the optimizer at once. When the step needs every
-gradient first (global-norm clipping, fp16 overflow checks) gradients are spooled to the
-gradient tier and applied in a second sweep. See DESIGN.md, "The one idea".
+The forward pass runs the program's stages in order (`zinfjax.program.split`): a whole stage reads
+the groups of parameters it uses; a streamed scan reads its parameters one slice (a layer, a row
+chunk) at a time, ``prefetch_depth`` slices ahead, and writes the carry entering each iteration to
+the activation tier. The backward pass walks the stages in reverse, recomputes each iteration inside
+its VJP, and as soon as a unit's gradient is complete (its first user in forward order has run its
+backward) hands it to the optimizer: updated at once when the transformation is elementwise, or
+spooled to the gradient tier when it needs more sweeps (per-tensor norms, a global norm, fp16's
+overflow check) and updated after the backward pass (docs/design.md, invariant 1).
 
-ZeRO stages 0-3 and tensor parallelism are sharding rules (zinfjax/sharding.py): every store
-holds its leaves in their kind's layout, the layer functions gather parameters and scatter
+Every read of a step is known before the step starts: the step is a list of operations, each with
+the reads it needs, and `ReadAhead` keeps the next ``prefetch_depth`` operations' reads in flight.
+
+ZeRO stages 0-3 and tensor parallelism are sharding rules (`Placement`, zinfjax/sharding.py): every
+store holds its leaves in their kind's layout, the stage functions gather parameters and scatter
 gradients inside their jitted bodies, and each update runs on the optimizer state's shards.
-See docs/sharding.md.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,17 +35,25 @@ from jax.sharding import PartitionSpec as P
 from zinfjax import allocator
 from zinfjax.config import Config
 from zinfjax.engine import progress
-from zinfjax.engine.functions import Layout, make_layer_functions
+from zinfjax.engine.placement import Placement
 from zinfjax.engine.readahead import Read, ReadAhead
-from zinfjax.engine.stores import GROUPS, build_stores, opt_like, plan_stores
+from zinfjax.engine.source import unslice
+from zinfjax.engine.stores import acts_spec, build_stores, plan_stores
 from zinfjax.engine.telemetry import StepTelemetry
-from zinfjax.engine.update import check_elementwise, make_update, spool_grads
-from zinfjax.models.layered import Layers, check_params
-from zinfjax.reference import micro_batches
-from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, check_batch
+from zinfjax.engine.units import Units
+from zinfjax.errors import UserError
+from zinfjax.program import jaxpr as jx
+from zinfjax.program.optimizer import UpdatePlan, combine_partials
+from zinfjax.program.split import Program
+from zinfjax.program.stages import StageFunctions, differentiable, zero_cotangent
+from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 WRITES_PER_LAYER = 4  # the most one layer's step issues: params, opt, master, and acts or grads
+
+
+class BatchError(UserError):
+    """A batch that does not match what the state was wrapped for."""
 
 
 class LossScale:
@@ -63,48 +77,57 @@ class LossScale:
             self.scale, self.good = self.scale * 2, 0
 
 
-class Engine:
-    """Trains a layered model with its state on the tiers of ``config``.
+@functools.lru_cache(maxsize=32)
+def compiled(program: Program, tx: optax.GradientTransformation, rules: ShardingRules, mesh: Mesh, compute_dtype):
+    """The placement, stage functions, update plan and unit functions of one layout (shared by its engines)."""
+    placement = Placement(program, rules, mesh)
+    plan = UpdatePlan(tx, program)
+    return placement, StageFunctions(program, placement), plan, Units(program, plan, compute_dtype, placement)
 
-    ``config.stage`` shards the state over the mesh axis ``data``; a ``model`` axis splits it
-    by ``layers.partition_rules``. Leaves with fewer than ``persistence_threshold`` elements
-    stay whole on every device (see zinfjax/sharding.py).
+
+@dataclasses.dataclass(eq=False)
+class Op:
+    """One operation of a step: the reads it needs, and what it does with them."""
+
+    name: str
+    layer: int
+    reads: list
+    run: Callable[[list], None]
+
+
+class Engine:
+    """Trains a `Program` with its state on the tiers of ``config``.
+
+    ``source`` gives the initial state unit by unit (`zinfjax.engine.source`). ``config.stage``
+    shards the state over the mesh axis ``data``; a ``model`` axis splits it by ``tp_rules``.
 
     Example:
-        >>> engine = Engine(model.layers(), params, optax.adamw(1e-3), config, mesh, batch_shape=(8, 65))
+        >>> engine = Engine(program, TreeSource(program, plan, params), optax.adamw(1e-3), config, mesh)
         >>> metrics = engine.train_step(batch)
     """
 
-    def __init__(self, layers: Layers, params, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
-                 batch_shape: tuple[int, int], persistence_threshold: int = PERSISTENCE_THRESHOLD):
-        check_elementwise(tx)
-        # A ParamSource, a zinfjax.checkpoint.CheckpointSource, or a parameter tree.
-        source = params if hasattr(params, "abstract") else ParamSource.from_tree(params)
-        self.num_layers = check_params(source.abstract)
-        check_batch(batch_shape[0], mesh, config.grad_accum)
-        self.config, self.mesh, self.tx = config, mesh, tx
+    def __init__(self, program: Program, source, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
+                 tp_rules: tuple = (), threshold: int = PERSISTENCE_THRESHOLD):
+        self.program, self.config, self.mesh, self.tx = program, config, mesh, tx
         self.compute_dtype = COMPUTE_DTYPES[config.precision]
-        self.spool = config.grad_clip > 0 or config.precision == "fp16"
+        self.rules = ShardingRules.for_mesh(mesh, config.stage, tp_rules, threshold)
+        self.placement, self.fns, self.plan, self.units = compiled(program, tx, self.rules, mesh, self.compute_dtype)
         self.loss_scale = LossScale(config.precision == "fp16")
-        self.rules = ShardingRules.for_mesh(mesh, config.stage, layers.partition_rules, persistence_threshold)
-        self.fns = make_layer_functions(layers, Layout(self.rules.canonical(["grads"]), mesh))
-        update_layout = Layout(self.rules.canonical(["params", "opt", "master"]), mesh)
-        self.updates = {g: make_update(tx, self.compute_dtype, update_layout, g) for g in GROUPS}
-        self.step_count = 0
-        self._steps_run = 0
+        self.spool = self.plan.sweeps > 1 or config.precision == "fp16"
+        self.micro = config.grad_accum
+        self._check_micro_batch()
+        self._tied = self._tied_groups()
+        spooled = set(program.groups) if self.spool else set(self._tied)
+        specs = plan_stores(config, program, self.plan, self.placement, self.compute_dtype, spooled)
+        acts = {s.position: acts_spec(config, s, self.placement, self.micro) for s in program.scans()}
+        self.step_count = int(getattr(source, "step", 0))
         self.tracer = None  # a zinfjax.engine.trace.Tracer while one is attached
-        self._writes: collections.deque = collections.deque()  # writes in flight, oldest first
-        # A layer of writes in flight per layer read ahead, and at least two: reads and writes share the disk,
-        # and with one the next layer's update waits for the last write to land (docs/BENCHMARKS.md).
+        self._writes: collections.deque = collections.deque()
         self._max_writes = WRITES_PER_LAYER * max(2, config.prefetch_depth)
-        self._sumsq_parts: list = []
-        self._telemetry: StepTelemetry | None = None  # the step in progress
-        self.data_sharding = NamedSharding(mesh, P(None, "data"))
-        abstract = source.abstract
-        plan = plan_stores(config, mesh, self.rules, abstract, self._opt_like(abstract),
-                           self._act_like(abstract, batch_shape), self.spool, self.compute_dtype)
-        self.stores = build_stores(config, plan)
-        self.interrupted_step = progress.interrupted(config)  # a step a killed process left half done
+        self._telemetry: StepTelemetry | None = None
+        self._steps_run = 0
+        self.stores = build_stores(config, specs, acts)
+        self.interrupted_step = progress.interrupted(config)
         try:
             self._fill(source)
         except BaseException:
@@ -114,124 +137,109 @@ class Engine:
 
     # ---- set-up ------------------------------------------------------------------------------
 
+    @property
+    def num_layers(self) -> int:
+        """Slices of the longest streamed group (the layers of a transformer)."""
+        return max((g.length for g in self.program.streamed_groups()), default=1)
+
+    def _check_micro_batch(self) -> None:
+        data = self.mesh.shape["data"]
+        rows = {np.shape(x)[0] for x in self.program.batch_like if np.ndim(x)}
+        bad = [r for r in rows if r % data]
+        if bad:
+            raise BatchError(f"a micro-batch of {bad[0]} rows does not split over the {data} devices of the data "
+                             f"axis; make batch_size / grad_accum a multiple of {data}")
+
+    def _tied_groups(self) -> dict[str, int]:
+        """Streamed groups whose leaves other scans also stream: how many scans contribute to their gradients."""
+        out: dict[str, int] = {}
+        for scan in self.program.scans():
+            for k in scan.streams:
+                group = self.program.groups[self.program.leaves[k].group]
+                if group.position != scan.position:
+                    out[group.name] = out.get(group.name, 0) + 1
+        return out
+
     def _release_scratch(self) -> None:
         """With the state on nvme, memory is the budget: give the compiler's freed scratch back to the system."""
         if self.config.uses_nvme:
             allocator.trim()
 
-    def _opt_like(self, abstract):
-        return opt_like(self.tx, abstract)
-
-    def _act_like(self, params, batch_shape):
-        """The activation checkpoint of one step: (L, micro-batches, rows, T, D) in what embed returns."""
-        a = self.config.grad_accum
-        b, t = batch_shape[0] // a, batch_shape[1] - 1
-        embed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), self.compute_dtype), params["embed"])
-        h = jax.eval_shape(self.fns.embed_fwd, embed, jax.ShapeDtypeStruct((a, b, t), jnp.int32))
-        sharding = NamedSharding(self.mesh, P(None, None, "data"))
-        return {"h": jax.ShapeDtypeStruct((self.num_layers, *h.shape), h.dtype, sharding=sharding)}
-
-    def _fill(self, source: ParamSource) -> None:
-        """Writes the initial state into the stores, one layer at a time."""
-        if hasattr(source, "fill"):  # a checkpoint
-            source.fill(self)
-            return
-        for g in GROUPS:
-            stores = [self.stores.params[g], self.stores.opt[g]]
-            stores += [self.stores.master[g]] if self.stores.master else []
-            for i in range(self.num_layers if g == "blocks" else 1):
-                compute, master, opt = self._init_layer(source.layer(g, i))
-                for store, tree in zip(stores, (compute, opt, master), strict=False):
-                    self._write("fill", store, i, tree)
-            self.stores.flush()
-
-    @property
-    def _init_layer(self):
-        return _make_init(self.tx, self.compute_dtype)
+    def _fill(self, source) -> None:
+        """Writes the initial state into the stores, one unit at a time."""
+        s = self.stores
+        given = source.globals()
+        self.globals = list(given) if given is not None else self.plan.init_globals()
+        for g in self.program.groups.values():
+            paths = [leaf.path for leaf in self.program.leaves_of(g.name)]
+            state_paths = [st.path for st in self.plan.state_of(g.name)]
+            for i in range(g.length):
+                params = source.params(g.name, i)
+                compute, master, state = self.units.init(g.name, self.units.size(g.name, i))(
+                    params, self.units.start(g.name, i))
+                given_state = source.state(g.name, i)
+                if given_state is not None:
+                    state = given_state
+                self._write("fill", s.params[g.name], i, dict(zip(paths, compute, strict=True)))
+                if s.master:
+                    self._write("fill", s.master[g.name], i, dict(zip(paths, master, strict=True)))
+                if state_paths:
+                    self._write("fill", s.opt[g.name], i, dict(zip(state_paths, state, strict=True)))
+            s.flush()
+        if getattr(source, "loss_scale", None) is not None:
+            self.loss_scale.scale = float(source.loss_scale)
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def train_step(self, batch) -> dict:
-        """One optimizer step on ``batch`` (B, T+1); returns the step's metrics."""
+    def train_step(self, batch, rng=None) -> dict:
+        """One optimizer step on ``batch`` (a pytree of arrays with a leading batch axis); returns its metrics."""
         progress.begin(self.config, self.step_count + 1)
         telemetry = self._telemetry = StepTelemetry(self.stores.all(), self.tracer)
-        tokens = jax.device_put(micro_batches(np.asarray(batch), self.config.grad_accum), self.data_sharding)
-        x, y = tokens[:, :, :-1], tokens[:, :, 1:]
-        written: set[int] = set()
-        reads = ReadAhead(self._schedule(written), self.config.prefetch_depth)
-        scale = jnp.float32(self.loss_scale.value)
-
-        (pe,) = next(reads)
-        h = self._run("embed_fwd", 0, self.fns.embed_fwd, pe, x)
-        for i in range(self.num_layers):
-            (p,) = next(reads)
-            self._write("acts", self.stores.acts, i, {"h": h})
-            written.add(i)
-            h = self._run("block_fwd", i, self.fns.block_fwd, p, h)
-
-        ph, pe, *head_opt = next(reads)
-        loss, dh, g_head, g_embed_tied = self._run("head", 0, self.fns.head_fwd_bwd, ph, pe, h, y, scale)
-        self._finish("head", 0, ph, g_head, head_opt)
-        for i in reversed(range(self.num_layers)):
-            p, act, *opt = next(reads)
-            dh, g = self._run("block_bwd", i, self.fns.block_bwd, p, act["h"], dh)
-            self._finish("blocks", i, p, g, opt)
-        pe, *embed_opt = next(reads)
-        g_embed = jax.tree.map(jnp.add, self._run("embed_bwd", 0, self.fns.embed_bwd, pe, x, dh), g_embed_tied)
-        self._finish("embed", 0, pe, g_embed, embed_opt)
+        step = _Step(self, self._micro_batches(batch), self._keys(rng))
+        reads = ReadAhead([op.reads for op in step.ops], self.config.prefetch_depth)
+        for op, results in zip(step.ops, reads, strict=True):
+            op.run(results)
         telemetry.add_reads(reads)
-
-        skipped = False
-        if self.spool:
-            skipped = self._apply_spooled(telemetry)
-        loss = float(loss)
+        skipped = step.finish_update(telemetry)
+        loss = float(jnp.mean(step.loss))
         self.stores.flush()
         self.step_count += 0 if skipped else 1
         progress.end(self.config)
         self._telemetry = None
         if not self._steps_run:
-            self._release_scratch()  # the first step compiled every layer function
+            self._release_scratch()  # the first step compiled every stage function
         self._steps_run += 1
         return telemetry.finish(loss=loss, skipped=skipped, loss_scale=self.loss_scale.value)
 
-    def _schedule(self, written: set[int]) -> list[list[Read]]:
-        """Every read of a step, grouped by the layer compute that needs them, in order."""
-        s, L = self.stores, self.num_layers
-        fused = not self.spool
+    def _micro_batches(self, batch) -> list:
+        """The batch's leaves as ``(A, rows, ...)``: micro-batch ``k`` is rows ``k::A`` (spread over the data axis)."""
+        try:
+            leaves = self.program.batch_tree.flatten_up_to(batch)
+        except (ValueError, TypeError) as e:
+            raise BatchError(f"the batch's structure does not match the one the state was wrapped for: {e}") from e
+        out = []
+        for x, like in zip(leaves, self.program.batch_like, strict=True):
+            x = np.asarray(x) if not isinstance(x, jax.Array) else x
+            want = (like.shape[0] * self.micro, *like.shape[1:]) if like.shape else ()
+            if tuple(np.shape(x)) != want or jnp.dtype(x.dtype) != jnp.dtype(like.dtype):
+                raise BatchError(f"a batch leaf has {jnp.dtype(x.dtype).name}{list(np.shape(x))}; this state was "
+                                 f"wrapped for {jnp.dtype(like.dtype).name}{list(want)}")
+            if not like.shape:
+                out.append(jnp.broadcast_to(x, (self.micro,)))
+                continue
+            rows = like.shape[0]
+            x = jnp.asarray(x).reshape(rows, self.micro, *like.shape[1:]).swapaxes(0, 1)
+            out.append(jax.device_put(x, self.placement.rows_sharding(x.shape)))
+        return out
 
-        def opt_reads(g, i):
-            if not fused:
-                return []
-            reads = [Read(f"opt_{g}", s.opt[g], i)]
-            return reads + ([Read(f"master_{g}", s.master[g], i)] if s.master else [])
-
-        groups = [[Read("params_embed", s.params["embed"], 0)]]
-        groups += [[Read("params_blocks", s.params["blocks"], i)] for i in range(L)]
-        groups.append([Read("params_head", s.params["head"], 0), Read("params_embed", s.params["embed"], 0),
-                       *opt_reads("head", 0)])
-        for i in reversed(range(L)):
-            act = Read("acts", s.acts, i, ready=lambda i=i: i in written)
-            groups.append([Read("params_blocks", s.params["blocks"], i), act, *opt_reads("blocks", i)])
-        groups.append([Read("params_embed", s.params["embed"], 0), *opt_reads("embed", 0)])
-        return groups
-
-    def _finish(self, group: str, i: int, params, grads, opt) -> None:
-        """Hands one layer's gradient on: applied now (fused), or spooled for the second sweep."""
-        if self.spool:
-            grads, sumsq = spool_grads(grads)
-            self._write(f"grads_{group}", self.stores.grads[group], i, grads)
-            self._sumsq_parts.append(sumsq)
-            return
-        master = opt[1] if len(opt) > 1 else params
-        self._apply(group, i, master, grads, opt[0], jnp.float32(0), jnp.float32(jnp.inf), jnp.float32(1))
-
-    def _apply(self, group, i, master, grads, opt, g_norm, max_norm, grad_div) -> None:
-        name = "update" if group == "blocks" else f"update_{group}"
-        compute, master, opt = self._run(name, i, self.updates[group], master, grads, opt, g_norm, max_norm, grad_div)
-        self._write(f"params_{group}", self.stores.params[group], i, compute)
-        self._write(f"opt_{group}", self.stores.opt[group], i, opt)
-        if self.stores.master:
-            self._write(f"master_{group}", self.stores.master[group], i, master)
+    def _keys(self, rng):
+        """One key per micro-batch: the step's key (``fold_in(key(seed), step)``), folded with the micro-batch index."""
+        if self.program.rng_var is None:
+            return None
+        key = rng if rng is not None else jax.random.fold_in(jax.random.key(self.config.seed), self.step_count + 1)
+        if self.micro == 1:
+            return key[None]
+        return jax.vmap(lambda a: jax.random.fold_in(key, a))(jnp.arange(self.micro))
 
     def _run(self, name: str, layer: int, fn, *args):
         """``fn(*args)``, dispatched asynchronously; an attached tracer gets the dispatch time and the result."""
@@ -250,83 +258,381 @@ class Engine:
         if self.tracer is not None:
             self.tracer.write(track, i, t0, future)
         # A write holds its layer in memory until it lands; without a bound, a disk slower than
-        # compute would let that backlog grow with the number of layers (DESIGN.md, invariant 2).
+        # compute would let that backlog grow with the number of layers (docs/design.md, invariant 2).
         self._writes.append(future)
         while self._writes and (self._writes[0].done() or len(self._writes) > self._max_writes):
             self._writes.popleft().exception()  # errors surface at the next flush
 
-    def _apply_spooled(self, telemetry: StepTelemetry) -> bool:
-        """The second sweep: global norm, overflow check, then every layer's update."""
-        parts, self._sumsq_parts = self._sumsq_parts, []
-        grad_div = jnp.float32(self.loss_scale.value)
-        g_norm = jnp.sqrt(sum(parts)) / grad_div
-        finite = bool(jnp.isfinite(g_norm))
-        self.loss_scale.after_step(finite)
-        if not finite:
-            return True
-        max_norm = jnp.float32(self.config.grad_clip if self.config.grad_clip > 0 else jnp.inf)
-        s = self.stores
-        units = [("head", 0)] + [("blocks", i) for i in reversed(range(self.num_layers))] + [("embed", 0)]
-        groups = []
-        for g, i in units:
-            source = s.master[g] if s.master else s.params[g]
-            groups.append([Read(f"grads_{g}", s.grads[g], i), Read(f"opt_{g}", s.opt[g], i),
-                           Read(f"master_{g}" if s.master else f"params_{g}", source, i)])
-        reads = ReadAhead(groups, self.config.prefetch_depth)
-        for (g, i), (grads, opt, master) in zip(units, reads, strict=True):
-            self._apply(g, i, master, grads, opt, g_norm, max_norm, grad_div)
-        telemetry.add_reads(reads)
-        return False
-
     # ---- reading the state back --------------------------------------------------------------
 
-    def params(self, kind: str = "params"):
-        """The whole parameter tree (``kind`` = params or master), gathered into memory."""
-        stores = getattr(self.stores, kind)
-        out = {}
-        for g in GROUPS:
-            tree = stores[g].read_all()
-            out[g] = tree if g == "blocks" else jax.tree.map(lambda x: x[0], tree)
-        return out
+    def _gather(self, kind: str, group: str, paths: list[str]) -> dict[str, list]:
+        store = self.stores.kind(kind)[group]
+        slices = [store.read(i).result() for i in range(store.num_layers)]
+        return {p: [s[p] for s in slices] for p in paths}
+
+    def params(self, kind: str = "master"):
+        """The whole parameter tree in the user's layout (``master``: fp32 under mixed precision), gathered."""
+        kind = kind if kind == "params" or self.stores.master else "params"
+        flat = [None] * len(self.program.leaves)
+        for g in self.program.groups.values():
+            leaves = self.program.leaves_of(g.name)
+            got = self._gather(kind, g.name, [leaf.path for leaf in leaves])
+            for leaf in leaves:
+                flat[leaf.index] = unslice(leaf, got[leaf.path])
+        return jax.tree_util.tree_unflatten(self.program.params_tree, flat)
+
+    def opt_state(self):
+        """The whole optax state, gathered: what ``tx.init`` and ``tx.update`` of the whole tree would hold."""
+        flat = [None] * len(self.plan.state)
+        for s, x in zip(self.plan.globals, self.globals, strict=True):
+            flat[s.index] = x
+        for g in self.program.groups.values():
+            state = self.plan.state_of(g.name)
+            if not state:
+                continue
+            got = self._gather("opt", g.name, [s.path for s in state])
+            for s in state:
+                flat[s.index] = unslice(self.program.leaves[s.param], got[s.path])
+        return jax.tree_util.tree_unflatten(self.plan.state_tree, flat)
 
     def close(self) -> None:
         self.stores.close()
 
 
-@functools.lru_cache(maxsize=32)
-def _make_init(tx: optax.GradientTransformation, compute_dtype):
-    """A jitted ``init(layer) -> (compute, master, opt_state)`` (cached, so engines share its compiles)."""
+class _Step:
+    """One training step's operations and the values that flow between them."""
 
-    def init(layer):
-        master = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), layer)
-        return jax.tree.map(lambda x: x.astype(compute_dtype), master), master, tx.init(master)
+    def __init__(self, engine: Engine, batch: list, keys):
+        self.e, self.p = engine, engine.program
+        self.env: dict = dict(zip(self.p.batch_vars, batch, strict=True))
+        if self.p.rng_var is not None:
+            self.env[self.p.rng_var] = keys
+        self.cts: dict = {}
+        self.whole_grads: dict = {}
+        self.written: set = set()  # (acts position, i) and ("grads", group, i) once written
+        self.partials: dict = {}
+        self.finite: list = []
+        self.loss = None
+        self.scale = jnp.float32(engine.loss_scale.value)
+        self.ops: list[Op] = []
+        for stage in self.p.stages:
+            self.ops += self._forward(stage)
+        for stage in reversed(self.p.stages):
+            self.ops += self._backward(stage)
+        self.ops += self._unused()
 
-    return jax.jit(init)
+    # ---- reads -------------------------------------------------------------------------------
+
+    def _store(self, kind: str, group: str):
+        return self.e.stores.kind(kind)[group]
+
+    def _param_reads(self, leaves, i: int) -> tuple[list, list]:
+        groups = sorted({self.p.leaves[k].group for k in leaves})
+        return groups, [Read(f"params_{g}", self._store("params", g), i) for g in groups]
+
+    def _update_reads(self, group: str, i: int) -> list:
+        """What a fused update of unit ``i`` needs beyond what the backward read: opt (and master)."""
+        if self.e.spool:
+            return []
+        reads = []
+        if self.e.plan.state_of(group):
+            reads.append(Read(f"opt_{group}", self._store("opt", group), i))
+        if self.e.stores.master:
+            reads.append(Read(f"master_{group}", self._store("master", group), i))
+        return reads
+
+    def _values(self, leaves, groups, trees) -> dict:
+        by_group = dict(zip(groups, trees, strict=False))
+        return {k: by_group[self.p.leaves[k].group][self.p.leaves[k].path] for k in leaves}
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def _forward(self, stage) -> list[Op]:
+        if stage.kind == "whole":
+            groups, reads = self._param_reads(stage.params, 0)
+
+            def run(trees, stage=stage, groups=groups):
+                params = self._values(stage.params, groups, trees)
+                outs = self.e._run("whole_fwd", stage.position, self.e.fns.whole_fwd(stage.position), params,
+                                   [self.env[v] for v in stage.inputs])
+                self.env.update(zip(stage.outputs, outs, strict=True))
+                if self.p.loss_var in stage.outputs:
+                    self.loss = self.env[self.p.loss_var]
+
+            return [Op("whole_fwd", stage.position, reads, run)]
+        return self._scan_forward(stage)
+
+    def _carry_init(self, stage, params: dict) -> list:
+        a = self.e.micro
+        out = []
+        for kind, what in stage.carry_init:
+            value = {"var": lambda: self.env[what], "param": lambda: params[what],
+                     "literal": lambda: jnp.asarray(what)}[kind]()
+            out.append(value if kind == "var" else jnp.broadcast_to(value, (a, *np.shape(value))))
+        return out
+
+    def _scan_forward(self, stage) -> list[Op]:
+        state: dict = {}
+        groups, reads = self._param_reads(stage.params, 0)
+
+        def begin(trees):
+            state["params"] = self._values(stage.params, groups, trees)
+            state["carry"] = self._carry_init(stage, state["params"])
+            state["ys"] = {}
+
+        ops = [Op("scan_begin", stage.position, reads, begin)]
+        acts = self.e.stores.acts[stage.position]
+        for i in stage.order():
+            s_groups, s_reads = self._param_reads(stage.streams, i)
+
+            def run(trees, i=i, s_groups=s_groups):
+                slices = self._values(stage.streams, s_groups, trees)
+                self.e._write("acts", acts, i, {f"carry{j}": c for j, c in enumerate(state["carry"])})
+                self.written.add((stage.position, i))
+                ins = [self.env[v] for v in stage.const_vars]
+                xs = [self.env[v][:, i] for v in stage.xs_vars]
+                state["carry"], state["ys"][i] = self.e._run("scan_fwd", i, self.e.fns.scan_fwd(stage.position),
+                                                             state["params"], slices, ins, state["carry"], xs)
+
+            ops.append(Op("scan_fwd", i, s_reads, run))
+
+        def end(_):
+            outvars = stage.eqn.outvars
+            n_k = stage.num_carry
+            values = dict(zip(outvars[:n_k], state["carry"], strict=True))
+            for j, v in enumerate(outvars[n_k:]):
+                if v in stage.outputs:
+                    values[v] = jnp.stack([state["ys"][i][j] for i in range(stage.length)], axis=1)
+            self.env.update({v: values[v] for v in stage.outputs})
+            state.clear()
+
+        ops.append(Op("scan_end", stage.position, [], end))
+        return ops
+
+    # ---- backward ----------------------------------------------------------------------------
+
+    def _cotangent(self, v):
+        if v in self.cts:
+            return self.cts[v]
+        if v is self.p.loss_var:
+            return jnp.broadcast_to(self.scale.astype(v.aval.dtype), self.env[v].shape)
+        return zero_cotangent(self.env[v])
+
+    def _add_ct(self, v, c) -> None:
+        if not jx.is_var(v) or v in self.p.batch_vars or v is self.p.rng_var or not differentiable(v.aval):
+            return
+        self.cts[v] = self.cts[v] + c if v in self.cts else c
+
+    def _add_grads(self, grads: dict) -> None:
+        for k, g in grads.items():
+            self.whole_grads[k] = self.whole_grads[k] + g if k in self.whole_grads else g
+
+    def _completed(self, position: int) -> list:
+        """Whole groups whose gradient is complete once the stage at ``position`` has run its backward."""
+        return [g for g in self.p.groups.values() if not g.streamed and g.position == position]
+
+    def _backward(self, stage) -> list[Op]:
+        if stage.kind == "scan":
+            return self._scan_backward(stage)
+        groups, reads = self._param_reads(stage.params, 0)
+        done = self._completed(stage.position)
+        extra = [r for g in done for r in self._update_reads(g.name, 0)]
+
+        def run(trees, stage=stage, groups=groups, done=done):
+            params = self._values(stage.params, groups, trees[: len(groups)])
+            d_outs = [self._cotangent(v) for v in stage.outputs]
+            d_params, d_ins = self.e._run("whole_bwd", stage.position, self.e.fns.whole_bwd(stage.position), params,
+                                          [self.env[v] for v in stage.inputs], d_outs)
+            self._add_grads(d_params)
+            for v, c in zip(stage.inputs, d_ins, strict=True):
+                self._add_ct(v, c)
+            self._finish_whole(done, dict(zip(groups, trees[: len(groups)], strict=True)), trees[len(groups):])
+
+        return [Op("whole_bwd", stage.position, reads + extra, run)]
+
+    def _scan_backward(self, stage) -> list[Op]:
+        state: dict = {}
+        groups, reads = self._param_reads(stage.params, 0)
+        acts = self.e.stores.acts[stage.position]
+        owned = [g for g in self.p.streamed_groups() if g.position == stage.position]
+        done = self._completed(stage.position)
+
+        def begin(trees):
+            state["params"] = self._values(stage.params, groups, trees)
+            outvars = stage.eqn.outvars
+            state["d_carry"] = [self._cotangent(v) if v in stage.outputs else None for v in outvars[: stage.num_carry]]
+            state["d_ins"], state["d_xs"], state["d_params"] = None, {}, {}
+
+        ops = [Op("scan_bwd_begin", stage.position, reads, begin)]
+        for i in reversed(stage.order()):
+            s_groups, s_reads = self._param_reads(stage.streams, i)
+            act = Read("acts", acts, i, ready=lambda i=i: (stage.position, i) in self.written)
+            extra = []
+            for g in owned:
+                extra += self._update_reads(g.name, i)
+                if g.name in self.e._tied:
+                    extra.append(Read(f"grads_{g.name}", self._store("grads", g.name), i,
+                                      ready=lambda g=g, i=i: ("grads", g.name, i) in self.written))
+            ops.append(Op("scan_bwd", i, s_reads + [act] + extra,
+                          functools.partial(self._scan_step, stage, state, i, s_groups, owned)))
+
+        def end(_):
+            for v, c in zip(stage.const_vars, state["d_ins"] or [], strict=False):
+                self._add_ct(v, c)
+            for (kind, what), c in zip(stage.carry_init, state["d_carry"], strict=True):
+                if kind == "var" and c is not None:
+                    self._add_ct(what, c)
+            for j, v in enumerate(stage.xs_vars):
+                self._add_ct(v, jnp.stack([state["d_xs"][i][j] for i in range(stage.length)], axis=1))
+            self._add_grads(state["d_params"])
+            state.clear()
+
+        ops.append(Op("scan_bwd_end", stage.position, [], end))
+        if done:
+            reads = [Read(f"params_{g.name}", self._store("params", g.name), 0) for g in done]
+            reads += [r for g in done for r in self._update_reads(g.name, 0)]
+            ops.append(Op("update_whole", stage.position, reads,
+                          lambda trees: self._finish_whole(done, dict(zip([g.name for g in done],
+                                                                          trees[: len(done)], strict=True)),
+                                                           trees[len(done):])))
+        return ops
+
+    def _scan_step(self, stage, state, i: int, s_groups, owned, trees) -> None:
+        n = len(s_groups)
+        slices = self._values(stage.streams, s_groups, trees[:n])
+        carry = [trees[n][f"carry{j}"] for j in range(stage.num_carry)]
+        if any(c is None for c in state["d_carry"]):
+            state["d_carry"] = [zero_cotangent(carry[j]) if c is None else c for j, c in enumerate(state["d_carry"])]
+        ins = [self.env[v] for v in stage.const_vars]
+        xs = [self.env[v][:, i] for v in stage.xs_vars]
+        outvars = stage.eqn.outvars[stage.num_carry:]
+        d_ys = [self.cts[v][:, i] if v in self.cts else
+                zero_cotangent(jax.ShapeDtypeStruct((self.e.micro, *v.aval.shape[1:]), v.aval.dtype))
+                for v in outvars]
+        d_params, d_slices, d_ins, state["d_carry"], d_xs = self.e._run(
+            "scan_bwd", i, self.e.fns.scan_bwd(stage.position), state["params"], slices, ins, carry, xs,
+            state["d_carry"], d_ys)
+        for k, g in d_params.items():
+            state["d_params"][k] = state["d_params"][k] + g if k in state["d_params"] else g
+        if state["d_ins"] is None:
+            state["d_ins"] = d_ins
+        else:
+            state["d_ins"] = [a + b if differentiable(jax.typeof(b)) else a for a, b in zip(state["d_ins"], d_ins,
+                                                                                             strict=True)]
+        state["d_xs"][i] = d_xs
+        by_group = dict(zip(s_groups, trees[:n], strict=True))
+        rest = list(trees[n + 1:])
+        for g in owned:  # in the order `_scan_backward` listed their reads
+            grads = [d_slices[k] for k in g.leaves]
+            n_upd = len(self._update_reads(g.name, i))
+            upd, rest = rest[:n_upd], rest[n_upd:]
+            if g.name in self.e._tied:
+                spooled, rest = rest[0], rest[1:]
+                grads = [a + spooled[self.p.leaves[k].path] for k, a in zip(g.leaves, grads, strict=True)]
+            self._finish_unit(g.name, i, by_group[g.name], grads, upd)
+        for group in sorted({self.p.leaves[k].group for k in stage.streams} - {g.name for g in owned}):
+            leaves = self.p.groups[group].leaves
+            self._contribute(group, i, {self.p.leaves[k].path: d_slices[k] for k in leaves if k in d_slices})
+
+    def _contribute(self, group: str, i: int, grads: dict) -> None:
+        """A later scan's share of a tied parameter's gradient, spooled for its owner's backward."""
+        store = self._store("grads", group)
+        self.e._write(f"grads_{group}", store, i, {p: g.astype(jnp.float32) for p, g in grads.items()})
+        self.written.add(("grads", group, i))
+
+    def _unused(self) -> list[Op]:
+        unused = [g for g in self.p.groups.values() if g.name == "w:unused"]
+        if not unused:
+            return []
+        reads = [Read("params_w:unused", self._store("params", "w:unused"), 0)] + self._update_reads("w:unused", 0)
+        return [Op("update_unused", 0, reads, lambda trees: self._finish_whole(
+            unused, {"w:unused": trees[0]}, trees[1:]))]
+
+    # ---- updates -----------------------------------------------------------------------------
+
+    def _finish_whole(self, done, trees: dict, upd: list) -> None:
+        for g in done:
+            leaves = self.p.leaves_of(g.name)
+            grads = [self.whole_grads.pop(leaf.index, None) for leaf in leaves]
+            grads = [jnp.zeros(leaf.shape, jnp.float32) if x is None else x for leaf, x in zip(leaves, grads,
+                                                                                               strict=True)]
+            n = len(self._update_reads(g.name, 0))
+            self._finish_unit(g.name, 0, trees[g.name], grads, upd[:n])
+            upd = upd[n:]
+
+    def _finish_unit(self, group: str, i: int, params_tree: dict, grads: list, upd: list) -> None:
+        """A unit's gradient is complete: update it now (fused), or spool it for the sweeps."""
+        e = self.e
+        paths = [leaf.path for leaf in self.p.leaves_of(group)]
+        if e.spool:
+            spooled, finite = e.units.spool(group)(grads)
+            e._write(f"grads_{group}", self._store("grads", group), i, dict(zip(paths, spooled, strict=True)))
+            self.finite.append(finite)
+            return
+        has_state = bool(e.plan.state_of(group))
+        opt = upd[0] if has_state else {}
+        master = upd[1 if has_state else 0] if e.stores.master else params_tree
+        self._apply(group, i, [master[p] for p in paths], grads,
+                    [opt[s.path] for s in e.plan.state_of(group)], sweep=0, totals=[], grad_div=jnp.float32(1))
+
+    def _apply(self, group: str, i: int, master: list, grads: list, state: list, sweep: int, totals: list,
+               grad_div) -> None:
+        e = self.e
+        fn = e.units.update(group, sweep, e.units.size(group, i))
+        partials, compute, master, state = e._run("update", i, fn, master, grads, state, e.globals, totals,
+                                                  e.units.start(group, i), grad_div)
+        for c, value in zip(e.plan.crosses_of(group, sweep), partials, strict=True):
+            self.partials.setdefault(c.eqn.outvars[0], []).append(value)
+        if sweep < e.plan.sweeps - 1:
+            return
+        paths = [leaf.path for leaf in self.p.leaves_of(group)]
+        e._write(f"params_{group}", self._store("params", group), i, dict(zip(paths, compute, strict=True)))
+        if e.stores.master:
+            e._write(f"master_{group}", self._store("master", group), i, dict(zip(paths, master, strict=True)))
+        state_paths = [s.path for s in e.plan.state_of(group)]
+        if state_paths:
+            e._write(f"opt_{group}", self._store("opt", group), i, dict(zip(state_paths, state, strict=True)))
+
+    def finish_update(self, telemetry) -> bool:
+        """After the backward pass: the sweeps (when spooled) and the global state; whether the step was skipped."""
+        e = self.e
+        if e.spool:
+            finite = bool(jnp.all(jnp.stack(self.finite))) if self.finite else True
+            if e.config.precision == "fp16":
+                e.loss_scale.after_step(finite)
+                if not finite:
+                    return True
+            e.stores.flush()  # the spooled gradients land before the sweeps read them
+            for sweep in range(e.plan.sweeps):
+                self._sweep(sweep, telemetry)
+        totals = combine_partials(e.plan.crosses, self.partials)
+        e.globals = list(e.plan.finish()(e.globals, [totals[c.eqn.outvars[0]] for c in e.plan.crosses]))
+        return False
+
+    def _sweep(self, sweep: int, telemetry) -> None:
+        e = self.e
+        totals_vars = e.plan.totals_before(sweep)
+        done = combine_partials([c for c in e.plan.crosses if c.phase < sweep], self.partials)
+        totals = [done[v] for v in totals_vars]
+        units = [(g, i) for g in self.p.groups.values() for i in range(g.length)]
+        source = "master" if e.stores.master else "params"
+        groups = []
+        for g, i in units:
+            reads = [Read(f"{source}_{g.name}", self._store(source, g.name), i),
+                     Read(f"grads_{g.name}", self._store("grads", g.name), i)]
+            if e.plan.state_of(g.name):
+                reads.append(Read(f"opt_{g.name}", self._store("opt", g.name), i))
+            groups.append(reads)
+        reads = ReadAhead(groups, e.config.prefetch_depth)
+        grad_div = jnp.float32(e.loss_scale.value)
+        for (g, i), trees in zip(units, reads, strict=True):
+            paths = [leaf.path for leaf in self.p.leaves_of(g.name)]
+            state = [trees[2][s.path] for s in e.plan.state_of(g.name)] if len(trees) > 2 else []
+            self._apply(g.name, i, [trees[0][p] for p in paths], [trees[1][p] for p in paths], state, sweep, totals,
+                        grad_div)
+        telemetry.add_reads(reads)
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
-
-
-class ParamSource:
-    """Where the initial parameters come from, one layer at a time.
-
-    ``abstract`` is the whole tree as ``ShapeDtypeStruct`` leaves; ``layer(group, i)`` returns
-    one layer of a group (the whole group for ``embed`` and ``head``). A model larger than
-    memory is initialised through a source that builds each layer on demand.
-
-    Example:
-        >>> ParamSource.from_tree(params).layer("blocks", 3)
-    """
-
-    def __init__(self, abstract, layer):
-        self.abstract, self.layer = abstract, layer
-
-    @classmethod
-    def from_tree(cls, params) -> ParamSource:
-        check_params(params)
-
-        def layer(group, i):
-            return jax.tree.map(lambda x: x[i], params[group]) if group == "blocks" else params[group]
-
-        return cls(_abstract(params), layer)
+def data_sharding(mesh: Mesh) -> NamedSharding:
+    """Micro-batched leaves ``(A, rows, ...)``: rows split over ``data``."""
+    return NamedSharding(mesh, P(None, "data"))

@@ -1,151 +1,165 @@
-"""The stores a wrapped state lives in, one per (kind, group), each on the tier the config gives.
+"""The stores a wrapped state lives in: one per (kind, group), each on the tier the config gives.
 
-Kinds: ``params`` (compute copy), ``master`` (fp32 master weights, only under mixed
-precision), ``opt`` (optax state), ``grads`` (spooled gradients, only when the step needs
-every gradient before updating) and ``acts`` (layer-boundary activation checkpoints).
-Groups: ``embed`` and ``head`` are stores of one layer, ``blocks`` of L layers.
+Kinds: ``params`` (the compute copy), ``master`` (fp32 master weights, under mixed precision),
+``opt`` (the optimizer state leaves that belong to the group's parameters), ``grads`` (gradients
+spooled for a later sweep, or waiting for a tied parameter's other contributions) and ``acts``
+(one per streamed scan: the carry entering each iteration, the layer-boundary activation
+checkpoint). A streamed group's store has one "layer" per slice (a layer, or a row chunk); a whole
+group's has one.
 
-Every leaf carries the sharding its kind has at the config's stage (zinfjax/sharding.py), so
-a tier holds, reads and writes each device's own shard of each layer.
+Every leaf carries its kind's sharding at the config's stage (`Placement`), so a tier holds, reads
+and writes each device's own shard of each slice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from zinfjax.config import Config
-from zinfjax.sharding import ShardingRules
 from zinfjax.store import BufferPool, LayerStore, open_store, staging_bytes
 from zinfjax.store.disk import check_free_space, prepare_directory
 from zinfjax.store.errors import BufferBudgetError
 
-GROUPS = ("embed", "blocks", "head")
 # The engine's nvme stores hold its working state, which a crash mid-step leaves inconsistent
 # across layers whatever each chunk does; durable copies are checkpoints. So chunks are
 # overwritten in place, without fsync: no inode made and freed per chunk, no flush to wait for.
 # The checksum still catches a chunk torn by a crash.
 SCRATCH_NVME = {"atomic": False, "file_io_sync": False}
+KINDS = ("params", "master", "opt", "grads")
 
 
-def stacked_like(tree, group: str, shardings):
-    """Abstract stacked leaves with a tree of stacked ``shardings``: ``embed`` and ``head`` gain a layer axis of 1."""
+@dataclasses.dataclass(frozen=True)
+class StoreSpec:
+    """One store before it is opened: kind, group, tier, and its abstract tree ``{path: stacked leaf}``."""
 
-    def one(x, sharding):
-        shape = x.shape if group == "blocks" else (1, *x.shape)
-        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+    kind: str
+    group: str
+    tier: str
+    like: dict
 
-    return jax.tree.map(one, tree, shardings)
-
-
-def opt_like(tx, abstract):
-    """The abstract optax state of each group of fp32 ``abstract`` params; ``blocks`` state is stacked per layer.
-
-    Example:
-        >>> opt_like(optax.adamw(1e-3), abstract)["blocks"][0].mu["fc"]["kernel"].shape
-        (4, 64, 256)
-    """
-    def f32(tree):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), tree)
-
-    return {g: jax.eval_shape(jax.vmap(tx.init) if g == "blocks" else tx.init, f32(abstract[g])) for g in GROUPS}
+    @property
+    def name(self) -> str:
+        """The store's directory under ``nvme_path``."""
+        return f"{self.kind}_{dir_name(self.group)}"
 
 
-def layer_like(tree, group: str):
-    """One layer of an abstract group: ``blocks`` leaves lose their layer axis."""
-    if group != "blocks":
-        return tree
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
-
-
-def stacked_shardings(rules: ShardingRules, mesh: Mesh, kind: str, group: str, tree):
-    """The stacked sharding of each leaf of ``tree`` (a whole group): its layer spec after an unsharded layer axis.
-
-    Example:
-        >>> stacked_shardings(ShardingRules(stage=3, data=8), mesh, "params", "blocks", abstract["blocks"])
-    """
-    specs = rules.specs(kind, group, layer_like(tree, group))
-    return jax.tree.map(lambda s: NamedSharding(mesh, P(None, *s)), specs, is_leaf=lambda s: isinstance(s, P))
-
-
-def unstack(tree, group: str):
-    """Layer views of a concrete tree: ``embed``/``head`` gain their layer axis of 1."""
-    return tree if group == "blocks" else jax.tree.map(lambda x: x[None], tree)
+def dir_name(group: str) -> str:
+    """A filesystem-safe name for a group (``s:blocks`` -> ``blocks``)."""
+    kind, _, rest = group.partition(":")
+    return re.sub(r"[^A-Za-z0-9_.\-@]", "_", rest or kind).replace("@", "-at")
 
 
 @dataclasses.dataclass
 class EngineStores:
-    """Every store of one wrapped state."""
+    """Every store of one wrapped state: ``stores[kind][group]``, and ``acts[scan position]``."""
 
-    params: dict[str, LayerStore]
-    opt: dict[str, LayerStore]
-    master: dict[str, LayerStore] | None
-    grads: dict[str, LayerStore] | None
-    acts: LayerStore
+    stores: dict[str, dict[str, LayerStore]]
+    acts: dict[int, LayerStore]
     pool: BufferPool
 
+    def kind(self, kind: str) -> dict[str, LayerStore]:
+        return self.stores.get(kind, {})
+
+    @property
+    def params(self) -> dict[str, LayerStore]:
+        return self.kind("params")
+
+    @property
+    def master(self) -> dict[str, LayerStore] | None:
+        return self.stores.get("master")
+
+    @property
+    def opt(self) -> dict[str, LayerStore]:
+        return self.kind("opt")
+
+    @property
+    def grads(self) -> dict[str, LayerStore]:
+        return self.kind("grads")
+
     def all(self) -> list[LayerStore]:
-        kinds = [self.params, self.opt, self.master or {}, self.grads or {}]
-        return [s for kind in kinds for s in kind.values()] + [self.acts]
+        return [s for kind in self.stores.values() for s in kind.values()] + list(self.acts.values())
 
     def flush(self) -> None:
         for store in self.all():
             store.flush()
 
     def close(self) -> None:
+        errors = []
         for store in self.all():
-            store.close()
+            try:
+                store.close()
+            except Exception as e:  # noqa: BLE001 - close every store, then report the first failure
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
-def plan_stores(config: Config, mesh: Mesh, rules: ShardingRules, params_like, opt_like, act_like, spool: bool,
-                compute_dtype) -> list[tuple[str, str, str, object]]:
-    """Every store as ``(kind, group, tier, stacked abstract tree)``, before anything is opened.
+def stacked(length: int, slice_shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((length, *slice_shape), dtype, sharding=sharding)
 
-    Each leaf carries its kind's sharding under ``rules``; a tensor-parallel split that does
-    not divide is refused here, before any store is opened.
+
+def plan_stores(config: Config, program, plan, placement, compute_dtype, spooled: set[str]) -> list[StoreSpec]:
+    """Every store as a `StoreSpec`, before anything is opened.
+
+    ``spooled`` names the groups that need a gradient store. A tensor-parallel split that does not
+    divide is refused here, before any store is opened.
     """
     mixed = compute_dtype != jnp.float32
+    specs = []
+    for g in program.groups.values():
+        leaves = program.leaves_of(g.name)
 
-    def cast(tree, dtype):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype), tree)
+        def tree(kind, dtype=None, leaves=leaves, g=g):
+            return {leaf.path: stacked(g.length, leaf.slice_shape, dtype or leaf.dtype,
+                                       placement.stacked(kind, leaf.path, leaf.slice_shape)) for leaf in leaves}
 
-    kinds = [("params", config.params, params_like, compute_dtype), ("opt", config.optimizer, opt_like, None)]
-    if mixed:
-        kinds.append(("master", config.optimizer, params_like, jnp.float32))
-    if spool:
-        kinds.append(("grads", config.gradients, params_like, jnp.float32))
-    plan = [(kind, g, tier, stacked_like(cast(like[g], dtype), g, stacked_shardings(rules, mesh, kind, g, like[g])))
-            for kind, tier, like, dtype in kinds for g in GROUPS]
-    return [*plan, ("acts", "blocks", config.activations, act_like)]
+        specs.append(StoreSpec("params", g.name, config.params, tree("params", compute_dtype)))
+        if mixed:
+            specs.append(StoreSpec("master", g.name, config.optimizer, tree("master", jnp.float32)))
+        if g.name in spooled:
+            specs.append(StoreSpec("grads", g.name, config.gradients, tree("grads", jnp.float32)))
+        state = plan.state_of(g.name)
+        if state:
+            like = {}
+            for s in state:
+                shape = state_slice_shape(program, s)
+                like[s.path] = stacked(g.length, shape, s.dtype, placement.stacked("opt", s.path, shape))
+            specs.append(StoreSpec("opt", g.name, config.optimizer, like))
+    return specs
 
 
-def build_stores(config: Config, plan) -> EngineStores:
-    """Checks the plan against the disk and the buffer budget, then opens every store (empty)."""
-    preflight(config, plan)
-    pool = BufferPool(config.host_buffer_bytes)
-    opened: dict[str, dict[str, LayerStore]] = {}
-    for kind, group, tier, like in plan:
-        name = kind if kind == "acts" else f"{kind}_{group}"
-        options = SCRATCH_NVME if tier == "nvme" else {}
-        opened.setdefault(kind, {})[group] = open_store(tier, like, path=config.nvme_path, name=name, pool=pool,
-                                                        **options)
-    return EngineStores(
-        params=opened["params"], opt=opened["opt"], master=opened.get("master"), grads=opened.get("grads"),
-        acts=opened["acts"]["blocks"], pool=pool,
-    )
+def state_slice_shape(program, s) -> tuple[int, ...]:
+    """The shape of one slice of state leaf ``s``: cut like the parameter it belongs to."""
+    leaf = program.leaves[s.param]
+    if leaf.stream is None:
+        return s.shape
+    return leaf.stream.slice_shape(s.shape)
+
+
+def acts_spec(config: Config, scan, placement, grad_accum: int) -> StoreSpec:
+    """The activation checkpoints of one streamed scan: the carry entering each iteration."""
+    body = scan.eqn.params["jaxpr"].jaxpr
+    carry = body.invars[scan.num_consts : scan.num_consts + scan.num_carry]
+    like = {}
+    for j, v in enumerate(carry):
+        shape = (grad_accum, *v.aval.shape)
+        sharding = placement.rows_sharding((scan.length, *shape), lead=2)
+        like[f"carry{j}"] = jax.ShapeDtypeStruct((scan.length, *shape), v.aval.dtype, sharding=sharding)
+    return StoreSpec("acts", f"s:scan{scan.position}", config.activations, like)
 
 
 def _nbytes(tree) -> int:
-    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def preflight(config: Config, plan) -> None:
-    """Before anything is written: the path is writable, can hold the state, and one layer fits the buffers."""
-    on_nvme = [like for _, _, tier, like in plan if tier == "nvme"]
+def preflight(config: Config, specs: list[StoreSpec]) -> None:
+    """Before anything is written: the path is writable, can hold the state, and one slice fits the buffers."""
+    on_nvme = [s.like for s in specs if s.tier == "nvme" and s.like]
     if not on_nvme:
         return
     layer = max(staging_bytes(like) for like in on_nvme)
@@ -156,3 +170,25 @@ def preflight(config: Config, plan) -> None:
         )
     prepare_directory(config.nvme_path)
     check_free_space(config.nvme_path, sum(_nbytes(like) for like in on_nvme))
+
+
+def build_stores(config: Config, specs: list[StoreSpec], acts: dict[int, StoreSpec]) -> EngineStores:
+    """Checks the specs against the disk and the buffer budget, then opens every store (empty)."""
+    preflight(config, specs + list(acts.values()))
+    pool = BufferPool(config.host_buffer_bytes)
+    opened: dict[str, dict[str, LayerStore]] = {}
+
+    def open_one(spec: StoreSpec) -> LayerStore:
+        options = SCRATCH_NVME if spec.tier == "nvme" else {}
+        return open_store(spec.tier, spec.like, path=config.nvme_path, name=spec.name, pool=pool, **options)
+
+    out = EngineStores(opened, {}, pool)
+    try:
+        for spec in specs:
+            opened.setdefault(spec.kind, {})[spec.group] = open_one(spec)
+        for position, spec in acts.items():
+            out.acts[position] = open_one(spec)
+    except BaseException:
+        out.close()
+        raise
+    return out

@@ -1,0 +1,81 @@
+"""Where an engine's initial state comes from, one unit (a layer, a row chunk, a whole group) at a time.
+
+A source gives, for each unit of each group, its parameters in store layout, and optionally its
+optimizer state and the global optimizer state; what it does not give, the engine initialises
+with the optimizer's own ``init``. Sources: whole trees in memory (`TreeSource`), a checkpoint
+(`zinfjax.checkpoint.CheckpointSource`), or an initialiser run one layer at a time
+(`zinfjax.program.init.InitSource`), so a model larger than memory never exists whole.
+
+Example:
+    >>> source = TreeSource(program, plan, params, opt_state=state.opt_state, step=int(state.step))
+    >>> source.params("s:blocks", 3)[0].shape       # layer 3 of the first leaf of the blocks group
+    (64,)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def store_slice(leaf, x, i: int):
+    """Slice ``i`` of leaf ``x`` as a store holds it: a layer, a row chunk padded to its rows, or the whole leaf.
+
+    Example:
+        >>> store_slice(leaf, np.zeros((10, 4)), 2).shape    # chunks of 4 rows, padded to 12
+        (4, 4)
+    """
+    stream = leaf.stream
+    if stream is None:
+        return x
+    if stream.rows == 0:
+        return x[i]
+    chunk = x[i * stream.rows : (i + 1) * stream.rows]
+    pad = stream.rows - chunk.shape[0]
+    if pad:
+        chunk = jnp.pad(jnp.asarray(chunk), [(0, pad)] + [(0, 0)] * (np.ndim(x) - 1))
+    return chunk
+
+
+def unslice(leaf, slices: list):
+    """A whole leaf from its store slices (the inverse of `store_slice`)."""
+    stream = leaf.stream
+    if stream is None:
+        (x,) = slices
+        return x
+    if stream.rows == 0:
+        return jnp.stack(slices)
+    return jnp.concatenate(slices)[: leaf.shape[0]]
+
+
+class TreeSource:
+    """Initial parameters, and optionally the optimizer state, from whole trees.
+
+    ``opt_state`` is the optax state of the whole tree (``tx.init(params)`` or one trained in
+    memory); the engine then starts from it instead of a fresh ``init``, and ``step`` is kept.
+    """
+
+    def __init__(self, program, plan, params, opt_state=None, step: int = 0):
+        self.program, self.plan, self.step = program, plan, int(step)
+        self._params = program.params_tree.flatten_up_to(params)
+        self._state = None if opt_state is None else plan.state_tree.flatten_up_to(opt_state)
+        self.loss_scale = None
+
+    def params(self, group: str, i: int) -> list:
+        return [store_slice(leaf, self._params[leaf.index], i) for leaf in self.program.leaves_of(group)]
+
+    def state(self, group: str, i: int) -> list | None:
+        if self._state is None:
+            return None
+        return [store_slice(self.program.leaves[s.param], self._state[s.index], i) for s in self.plan.state_of(group)]
+
+    def globals(self) -> list | None:
+        if self._state is None:
+            return None
+        return [jnp.asarray(self._state[s.index]) for s in self.plan.globals]
+
+
+def abstract(tree):
+    """``tree`` as ``ShapeDtypeStruct`` leaves."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)

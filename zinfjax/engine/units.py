@@ -1,0 +1,122 @@
+"""The optimizer step on one unit: a slice as its store holds it, in and out of the update's own view.
+
+A store holds a layer of a stacked leaf as ``leaf[i]`` and a row chunk padded to its full
+``rows``; the update (`UpdatePlan`) sees the same data with the streamed axis kept (``leaf[i:i+1]``)
+and only the rows that belong to the leaf. `Units` converts between the two and wraps each
+per-unit function of the plan into one jitted step: gradients cast to fp32 and divided by the
+loss scale, the update, the new compute copy cast to the compute dtype, and every output placed
+in its store's layout.
+
+Example:
+    >>> units = Units(program, plan, jnp.bfloat16, placement)
+    >>> partials, compute, master, state = units.update(group, sweep=0, i=3)(master, grads, state, globals_, [], 1.0)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from zinfjax.program.optimizer import UpdatePlan
+from zinfjax.program.split import Program
+
+
+class Units:
+    """Per-unit init and update functions of an `UpdatePlan`, in store layout (see the module docstring)."""
+
+    def __init__(self, program: Program, plan: UpdatePlan, compute_dtype, placement):
+        self.program, self.plan, self.compute_dtype, self.placement = program, plan, compute_dtype, placement
+
+    def size(self, group: str, i: int) -> int | None:
+        """The unit's window size: 1 for a layer, the valid rows for a chunk, None for a whole group."""
+        window = self.plan.window(group, i)
+        return None if window is None else window.size
+
+    def start(self, group: str, i: int) -> int:
+        window = self.plan.window(group, i)
+        return 0 if window is None else window.start
+
+    # ---- layouts -------------------------------------------------------------------------------
+
+    def _stream(self, group: str):
+        return self.program.leaves[self.program.groups[group].leaves[0]].stream
+
+    def to_unit(self, group: str, x, size: int | None):
+        """A store slice as the update sees it."""
+        stream = self._stream(group)
+        if stream is None:
+            return x
+        return x[None] if stream.rows == 0 else x[:size]
+
+    def from_unit(self, group: str, x):
+        """An update output back in store layout (a chunk padded with zero rows)."""
+        stream = self._stream(group)
+        if stream is None:
+            return x
+        if stream.rows == 0:
+            return x[0]
+        pad = stream.rows - x.shape[0]
+        return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+
+    def _place(self, kind: str, paths: list[str], xs: list) -> list:
+        if self.placement.trivial or not xs:  # an earlier sweep returns partials only
+            return xs
+        return [jax.lax.with_sharding_constraint(x, self.placement.sharding(kind, p, x.shape))
+                for p, x in zip(paths, xs, strict=True)]
+
+    # ---- functions -----------------------------------------------------------------------------
+
+    @functools.cache  # noqa: B019 - compiled once per (group, sweep, size) for the life of the units
+    def update(self, group: str, sweep: int, size: int | None):
+        """A jitted ``f(master, grads, state, globals, totals, start, grad_div) -> (partials, compute, master, state)``.
+
+        Inputs and outputs are lists in store layout (group leaf order; the group's state leaves).
+        ``grad_div`` divides the gradients first (the fp16 loss scale, else 1).
+        """
+        unit = self.plan.unit(group, sweep, size)
+        paths = [leaf.path for leaf in self.program.leaves_of(group)]
+        state_paths = [s.path for s in self.plan.state_of(group)]
+
+        def f(master, grads, state, globals_, totals, start, grad_div):
+            master = [self.to_unit(group, x.astype(jnp.float32), size) for x in master]
+            grads = [self.to_unit(group, g.astype(jnp.float32) / grad_div, size) for g in grads]
+            state = [self.to_unit(group, x, size) for x in state]
+            partials, new_master, new_state = unit(master, grads, state, globals_, totals, start)
+            new_master = [self.from_unit(group, x) for x in new_master]
+            compute = [x.astype(self.compute_dtype) for x in new_master]
+            new_state = [self.from_unit(group, x) for x in new_state]
+            return (partials, self._place("params", paths, compute), self._place("master", paths, new_master),
+                    self._place("opt", state_paths, new_state))
+
+        return jax.jit(f)
+
+    @functools.cache  # noqa: B019
+    def init(self, group: str, size: int | None):
+        """A jitted ``f(params, start) -> (compute, master, state)``: a unit's initial state from its parameters."""
+        init = self.plan.init_unit(group, size)
+        paths = [leaf.path for leaf in self.program.leaves_of(group)]
+        state_paths = [s.path for s in self.plan.state_of(group)]
+
+        def f(params, start):
+            master = [x.astype(jnp.float32) for x in params]
+            state = init([self.to_unit(group, x, size) for x in master], start)
+            state = [self.from_unit(group, x) for x in state]
+            compute = [x.astype(self.compute_dtype) for x in master]
+            return (self._place("params", paths, compute), self._place("master", paths, master),
+                    self._place("opt", state_paths, state))
+
+        return jax.jit(f)
+
+    @functools.cache  # noqa: B019
+    def spool(self, group: str):
+        """A jitted ``f(grads) -> (fp32 grads, all finite)``: gradients on their way to the gradient tier."""
+        paths = [leaf.path for leaf in self.program.leaves_of(group)]
+
+        def f(grads):
+            grads = [g.astype(jnp.float32) for g in grads]
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))
+            return self._place("grads", paths, grads), finite
+
+        return jax.jit(f)

@@ -1,0 +1,197 @@
+"""The jitted functions of a program's stages: forward, and backward with recomputation.
+
+Every function works on all micro-batches of a step at once: a residual (and an activation)
+carries a leading axis ``A`` of micro-batches, and each function loops over it with ``lax.map``,
+so all micro-batches pass through layer ``i`` before layer ``i+1`` is read. Parameters are
+shared by the micro-batches; the gradient a function returns is the mean of the micro-batches'
+gradients, as the reference loop averages them.
+
+A whole stage: ``fwd(params, ins) -> outs`` and ``bwd(params, ins, d_outs) -> (d_params, d_ins)``.
+A scan iteration: ``fwd(params, slices, ins, carry, xs) -> (carry, ys)`` and
+``bwd(params, slices, ins, carry, xs, d_carry, d_ys) -> (d_params, d_slices, d_ins, d_carry, d_xs)``.
+``params`` and ``slices`` map leaf indices to arrays; ``ins``/``outs`` are lists aligned with the
+stage's residual variables. Backward functions recompute their forward inside the VJP
+(activation checkpointing at stage and layer boundaries).
+
+Example:
+    >>> fns = StageFunctions(program, placement)
+    >>> outs = fns.whole_fwd(stage)(params, ins)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zinfjax.program import jaxpr as jx
+
+
+def differentiable(aval) -> bool:
+    """Whether values of ``aval`` carry a gradient (inexact dtypes)."""
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def zero_cotangent(x):
+    """The cotangent of a value that has none: zeros, float0 for integer and key values."""
+    if differentiable(jax.typeof(x) if not hasattr(x, "aval") else x.aval):
+        return jnp.zeros_like(x)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def _mean0(tree):
+    return jax.tree.map(lambda g: jnp.mean(g, axis=0), tree)
+
+
+def vjp_of(f, primals: tuple, cotangents):
+    """``f``'s VJP at ``primals`` for ``cotangents``; inputs without a gradient get float0 zeros.
+
+    ``primals`` is a tuple of pytrees; only inexact leaves are differentiated.
+    """
+    flat, tree = jax.tree_util.tree_flatten(primals)
+    diff = [differentiable(jax.typeof(x)) for x in flat]
+    keep = [x for x, d in zip(flat, diff, strict=True) if d]
+
+    def g(*kept):
+        it = iter(kept)
+        full = [next(it) if d else x for x, d in zip(flat, diff, strict=True)]
+        return f(*jax.tree_util.tree_unflatten(tree, full))
+
+    out, vjp = jax.vjp(g, *keep)
+    cts = jax.tree.map(lambda c, o: c if differentiable(jax.typeof(o)) else zero_cotangent(o), cotangents, out)
+    grads = iter(vjp(cts))
+    full = [next(grads) if d else zero_cotangent(x) for x, d in zip(flat, diff, strict=True)]
+    return jax.tree_util.tree_unflatten(tree, full)
+
+
+class StageFunctions:
+    """Builds (and caches) the jitted functions of a `Program`'s stages.
+
+    ``placement`` says where values go: ``placement.params(leaf, x)`` constrains a parameter to
+    its compute layout (ZeRO-3 gathers here), ``placement.grads(leaf, g)`` a gradient to its
+    stage's gradient layout, ``placement.rows(x)`` a residual (``A`` leading) to its batch split.
+    """
+
+    def __init__(self, program, placement):
+        self.program, self.placement = program, placement
+        self.constants = program.constants
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _params(self, params: dict) -> dict:
+        return {k: self.placement.params(k, x) for k, x in params.items()}
+
+    def _grads(self, grads: dict) -> dict:
+        return {k: self.placement.grads(k, g) for k, g in grads.items()}
+
+    def _rows(self, xs):
+        return [self.placement.rows(x) for x in xs]
+
+    # ---- whole stages --------------------------------------------------------------------------
+
+    def _run_whole(self, stage, params: dict, ins: list) -> list:
+        env = dict(self.constants)
+        env.update({self.program.param_vars[k]: x for k, x in params.items()})
+        env.update(zip(stage.inputs, ins, strict=True))
+        env = jx.evaluate(stage.eqns, env)
+        return [jx.read(env, v) for v in stage.outputs]
+
+    @functools.cache  # noqa: B019 - one set of compiled functions per program, kept as long as it is
+    def whole_fwd(self, position: int):
+        stage = self._stage(position)
+
+        def fwd(params, ins):
+            params = self._params(params)
+            return self._rows(jax.lax.map(lambda a: self._run_whole(stage, params, a), ins))
+
+        return jax.jit(fwd)
+
+    @functools.cache  # noqa: B019
+    def whole_bwd(self, position: int):
+        stage = self._stage(position)
+
+        def bwd(params, ins, d_outs):
+            params = self._params(params)
+
+            def one(args):
+                ins_a, d_a = args
+                return vjp_of(lambda p, i: self._run_whole(stage, p, i), (params, ins_a), d_a)
+
+            d_params, d_ins = jax.lax.map(one, (ins, d_outs))
+            return self._grads(_mean0(d_params)), self._rows(d_ins)
+
+        return jax.jit(bwd)
+
+    # ---- scan iterations -----------------------------------------------------------------------
+
+    def _operands(self, stage, params, slices, ins, carry, xs):
+        """The body's inputs in order, for one micro-batch."""
+        n_c, n_k = stage.num_consts, stage.num_carry
+        ins_at = dict(zip(stage.const_vars, ins, strict=True))
+        xs_it = iter(xs)
+        consts, xs_ops = [], []
+        for i, (kind, what) in enumerate(stage.operands):
+            if n_c <= i < n_c + n_k:
+                continue
+            value = {"param": lambda: params[what], "stream": lambda: slices[what],
+                     "literal": lambda: what}.get(kind, lambda: None)()
+            if kind == "var":
+                value = ins_at[what] if i < n_c else next(xs_it)
+            (consts if i < n_c else xs_ops).append(value)
+        return consts, list(carry), xs_ops
+
+    def _run_body(self, stage, params, slices, ins, carry, xs):
+        consts, carry, xs_ops = self._operands(stage, params, slices, ins, carry, xs)
+        return jx.body_fn(stage.eqn)(consts, carry, xs_ops)
+
+    @functools.cache  # noqa: B019
+    def scan_fwd(self, position: int):
+        stage = self._stage(position)
+
+        def fwd(params, slices, ins, carry, xs):
+            params, slices = self._params(params), self._params(slices)
+
+            def one(args):
+                ins_a, carry_a, xs_a = args
+                return self._run_body(stage, params, slices, ins_a, carry_a, xs_a)
+
+            carry, ys = jax.lax.map(one, (ins, carry, xs))
+            return self._rows(carry), self._rows(ys)
+
+        return jax.jit(fwd)
+
+    @functools.cache  # noqa: B019
+    def scan_bwd(self, position: int):
+        stage = self._stage(position)
+
+        def bwd(params, slices, ins, carry, xs, d_carry, d_ys):
+            params, slices = self._params(params), self._params(slices)
+
+            def one(args):
+                ins_a, carry_a, xs_a, dc_a, dy_a = args
+                f = lambda p, s, i, c, x: self._run_body(stage, p, s, i, c, x)  # noqa: E731
+                return vjp_of(f, (params, slices, ins_a, carry_a, xs_a), (dc_a, dy_a))
+
+            d_params, d_slices, d_ins, d_carry, d_xs = jax.lax.map(one, (ins, carry, xs, d_carry, d_ys))
+            return (self._grads(_mean0(d_params)), self._grads(_mean0(d_slices)), self._rows(d_ins),
+                    self._rows(d_carry), self._rows(d_xs))
+
+        return jax.jit(bwd)
+
+    def _stage(self, position: int):
+        return next(s for s in self.program.stages if s.position == position)
+
+
+class NoPlacement:
+    """Placement for one device: nothing to constrain."""
+
+    def params(self, leaf: int, x):
+        return x
+
+    def grads(self, leaf: int, g):
+        return g
+
+    def rows(self, x):
+        return x
