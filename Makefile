@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-all lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15  # two workers: one per core; a file's tests share one
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15 -m "not wide"  # two workers: one per core
+
+test-all: $(STAMP)  # the wide corners of the test matrices too
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

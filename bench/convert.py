@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from zinfjax.benchmarks.capacity import MemoryCgroup
+from zinfjax.benchmarks.cgroup import MemoryCgroup
 from zinfjax.units import parse_bytes
 
 GB = 1e9

@@ -322,7 +322,7 @@ def write_zinfjax(source, dst: str, lr: float, progress: bool = False) -> dict:
         bar.phase("adamw state", _chunks(leaves["opt_state"]))
         for name, leaf in leaves["opt_state"].items():  # adamw's init: zero moments, count 0
             shape, dtype = leaf.meta["shape"], np.dtype(leaf.meta["dtype"])
-            for layer in range(shape[0]) if name.startswith("blocks.") else [None]:
+            for layer in range(shape[0]) if leaf.stacked else [None]:
                 zeros = np.zeros(shape[1:] if layer is not None else shape, dtype)
                 writer.write("opt_state", name, layer, zeros)
                 bar.update(zeros.nbytes)
@@ -389,7 +389,7 @@ def _nbytes(meta: dict) -> int:
 
 def _chunks(leaves: dict) -> int:
     """The chunks a checkpoint's leaves are written as: one per layer of a block leaf, one per other leaf."""
-    return sum(leaf.meta["shape"][0] if name.startswith("blocks.") else 1 for name, leaf in leaves.items())
+    return sum(leaf.meta["shape"][0] if leaf.stacked else 1 for leaf in leaves.values())
 
 
 class _Bar:

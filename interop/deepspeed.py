@@ -96,8 +96,7 @@ def convert_deepspeed(src: str, dst: str, model_config: ModelConfig | str | None
                     item, leaf = ("params", leaf) if kind == "fp32" else ("opt_state", moments[MOMENTS[kind], leaf])
                     writer.write(item, leaf, layer, array)
         for leaf in counts:
-            for layer in range(model.n_layers) if leaf.startswith("blocks.") else [None]:
-                writer.write("opt_state", leaf, layer, np.asarray(count, np.int32))
+            writer.write("opt_state", leaf, None, np.asarray(count, np.int32))
         path = writer.commit()
     except BaseException:
         writer.abort()
@@ -184,13 +183,13 @@ def _abstract(model: ModelConfig):
 
 
 def _opt_names(leaves) -> tuple[dict[tuple[str, str], str], list[str]]:
-    """optax adamw's leaves: ``{("mu", "blocks.q.kernel"): "blocks.0.mu.q.kernel", ...}`` and the count leaves."""
+    """optax adamw's leaves: ``{("mu", "blocks.q.kernel"): "0.mu.blocks.q.kernel", ...}`` and the count leaves."""
     moments, counts = {}, []
     for name in leaves["opt_state"]:
-        m = re.fullmatch(r"(embed|blocks|head)\.(\d+)\.(mu|nu)\.(.+)", name)
+        m = re.fullmatch(r"(\d+)\.(mu|nu)\.(.+)", name)
         if m:
-            moments[m[3], f"{m[1]}.{m[4]}"] = name
-        elif re.fullmatch(r"(embed|blocks|head)\.(\d+)\.count", name):
+            moments[m[2], m[3]] = name
+        elif re.fullmatch(r"(\d+)\.count", name):
             counts.append(name)
         else:  # a bug: make_optimizer's adamw no longer has optax's ScaleByAdamState layout
             raise AssertionError(f"unexpected adamw state leaf {name}")

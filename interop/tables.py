@@ -183,7 +183,7 @@ LLAMA = ArchTable(
         Rule("layers.{i}.mlp.up_proj.weight", "blocks/up/kernel", Layout.LINEAR),
         Rule("layers.{i}.mlp.down_proj.weight", "blocks/down/kernel", Layout.LINEAR),
         Rule("norm.weight", "head/norm/scale"),
-        Rule("lm_head.weight", "head/lm_head/kernel", Layout.LINEAR, top=True, when="untied"),
+        Rule("lm_head.weight", "head/lm_head/embedding", top=True, when="untied"),
         skip("lm_head.weight", top=True, when="tied"),  # a copy of embed_tokens, if saved at all
         skip("layers.{i}.self_attn.rotary_emb.inv_freq"),  # a buffer of older checkpoints
     ),

@@ -30,13 +30,13 @@ def hold(root: str):
     return wait_here
 
 
-def held_at(apply, root: str):
-    """``apply``, which holds at the update of block 1 (the backward pass runs from the last block)."""
+def held_at(write, root: str):
+    """``write``, which holds at the update of block 1 (the backward pass runs from the last block)."""
 
-    def wrapped(group, i, *args):
-        if (group, i) == ("blocks", 1):
+    def wrapped(track, store, i, tree):
+        if (track, i) == ("params_blocks", 1):
             hold(root)()
-        return apply(group, i, *args)
+        return write(track, store, i, tree)
 
     return wrapped
 
@@ -66,7 +66,7 @@ def main(mode: str, root: str, save_dir: str | None = None) -> None:
         return
     for step in range(1, 5):
         if step == 4 and mode == "kill-in-step":
-            engine._apply = held_at(engine._apply, root)
+            engine._write = held_at(engine._write, root)
         engine.train_step(next(data))
         if step == 2:
             manager.save(engine)

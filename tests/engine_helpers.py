@@ -12,12 +12,13 @@ import optax
 
 from zinfjax import Config, models
 from zinfjax.data import Batches, load_tokens
-from zinfjax.engine import Engine
+from zinfjax.engine import Engine, TreeSource
 from zinfjax.engine.memory import zero_formula
-from zinfjax.engine.stores import GROUPS, opt_like
+from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.optim import make_optimizer
 from zinfjax.reference import init_state, make_step
 from zinfjax.sharding import make_mesh, replicated
+from zinfjax.train import lm_engine
 
 STEPS = 20
 BASE = dict(model="gpt2-tiny", batch_size=8, seq_len=16, lr=1e-3, mesh="data:4")
@@ -47,7 +48,7 @@ def reference_run(c: Config, steps: int = STEPS):
     mesh = make_mesh(c.mesh_axes())
     params = initial_params(c)
     opt = jax.jit(_tx(c).init, out_shardings=replicated(mesh))(params)
-    step = make_step(model.layers(), _tx(c), mesh, c.grad_accum)
+    step = make_step(lm_loss(model), _tx(c), mesh, c.grad_accum)
     data, losses = batches(c), []
     for _ in range(steps):
         params, opt, loss = step(params, opt, next(data))
@@ -58,7 +59,7 @@ def reference_run(c: Config, steps: int = STEPS):
 @functools.cache
 def _host_params(model: str, seed: int, seq_len: int):
     """Initial params on the host, computed once per model and seed (as `init_state` computes them)."""
-    params, _ = init_state(models.build(model), optax.identity(), make_mesh({"data": 1}), seed, seq_len)
+    params, _ = init_state(lm_init(models.build(model)), optax.identity(), make_mesh({"data": 1}), seed)
     return jax.tree.map(np.asarray, params)
 
 
@@ -67,12 +68,12 @@ def initial_params(c: Config):
     return jax.device_put(_host_params(c.model, c.seed, c.seq_len), replicated(make_mesh(c.mesh_axes())))
 
 
-def make_engine(c: Config, **kw) -> Engine:
-    """An engine for ``c``, filled with the same initial params as the reference."""
-    model = models.build(c.model)
-    engine_tx = _tx(c.replace(grad_clip=0.0))  # the engine clips from Config.grad_clip itself
-    return Engine(model.layers(), initial_params(c), engine_tx, c, make_mesh(c.mesh_axes()),
-                  (c.batch_size, c.seq_len + 1), **kw)
+def make_engine(c: Config, source=None, tx=None) -> Engine:
+    """An engine for ``c``, filled with the same initial params as the reference (or from ``source``)."""
+    if source is None:
+        params = initial_params(c)
+        source = lambda program, plan: TreeSource(program, plan, params)  # noqa: E731
+    return lm_engine(models.build(c.model), c, make_mesh(c.mesh_axes()), source=source, tx=tx or _tx(c))
 
 
 def engine_run(c: Config, steps: int = STEPS):
@@ -84,7 +85,7 @@ def engine_run(c: Config, steps: int = STEPS):
             m = engine.train_step(next(data))
             losses.append(m["loss"])
             metrics.append(m)
-        params = jax.tree.map(np.asarray, engine.params("master" if engine.stores.master else "params"))
+        params = jax.tree.map(np.asarray, engine.params())
     finally:
         engine.close()
     return losses, params, metrics
@@ -128,16 +129,16 @@ def _psi_split(leaves, n: int, threshold: int):
 def _per_layer(abstract):
     """Per-layer leaves (blocks lose the layer axis) repeated per layer, so the rule sees each layer's shape."""
     out = []
-    for g in GROUPS:
-        for x in jax.tree.leaves(abstract[g]):
-            layers, shape = (x.shape[0], x.shape[1:]) if g == "blocks" else (1, x.shape)
-            out += [jax.ShapeDtypeStruct(shape, x.dtype)] * layers
+    for path, x in jax.tree_util.tree_leaves_with_path(abstract):
+        stacked = jax.tree_util.keystr(path).startswith("['blocks']")
+        layers, shape = (x.shape[0], x.shape[1:]) if stacked else (1, x.shape)
+        out += [jax.ShapeDtypeStruct(shape, x.dtype)] * layers
     return out
 
 
 def expected_state_bytes(abstract, tx, stage: int, n: int, p: int, g: int, k: int, threshold: int) -> float:
-    """ZeRO's formula on the sharded parameters, plus the replicated remainder and the optimizer step counts."""
+    """ZeRO's formula on the sharded parameters, plus the replicated remainder and the optimizer step count."""
     psi_s, psi_r = _psi_split(_per_layer(abstract), n, threshold)
-    counts = sum(x.size * x.dtype.itemsize for like in opt_like(tx, abstract).values() for x in jax.tree.leaves(like)
-                 if not jnp.issubdtype(x.dtype, jnp.floating))
+    state = jax.eval_shape(tx.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), abstract))
+    counts = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if not jnp.issubdtype(x.dtype, jnp.floating))
     return zero_formula(stage, psi_s, n, p, g, k) + (p + g + k) * psi_r + counts

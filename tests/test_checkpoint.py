@@ -18,7 +18,6 @@ import tensorstore as ts
 
 from tests.engine_helpers import _tx, batches, config, initial_params, make_engine
 from tests.mounts import tmpfs
-from zinfjax import models
 from zinfjax.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
@@ -31,19 +30,23 @@ from zinfjax.checkpoint import (
     expected_leaves,
     inspect,
 )
-from zinfjax.engine import Engine
-from zinfjax.sharding import make_mesh
+from zinfjax.checkpoint.snapshot import leaf_name
+from zinfjax.program.split import path_str
+from zinfjax.units import format_bytes
 
 NVME = dict(params="nvme", optimizer="nvme", gradients="nvme", activations="nvme")
 
 
 def restore(c, path):
     """An engine for ``c`` started from the checkpoint at ``path``, and its source."""
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), initial_params(c))
-    source = CheckpointSource(path, abstract)
-    engine = Engine(models.build(c.model).layers(), source, _tx(c), c, make_mesh(c.mesh_axes()),
-                    (c.batch_size, c.seq_len + 1))
-    return engine, source
+    made = []
+
+    def source(program, plan):
+        made.append(CheckpointSource(path, program, plan))
+        return made[0]
+
+    engine = make_engine(c, source=source)
+    return engine, made[0]
 
 
 def losses_after(engine, c, position, steps):
@@ -112,13 +115,13 @@ def test_corrupt_chunk_is_detected(tmp_path):
     with CheckpointManager(str(tmp_path / "ckpt")) as manager:
         manager.save(engine)
     engine.close()
-    chunk = sorted(glob.glob(str(tmp_path / "ckpt" / "1" / "opt_state" / "blocks.*" / "c" / "2" / "*")))[0]
+    chunk = sorted(glob.glob(str(tmp_path / "ckpt" / "1" / "opt_state" / "*.blocks.*" / "c" / "2" / "*")))[0]
     with open(chunk, "r+b") as f:
         f.seek(5)
         byte = f.read(1)
         f.seek(5)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(CheckpointCorruptError, match=r"corrupt at leaf opt_state/blocks\..*, layer 2"):
+    with pytest.raises(CheckpointCorruptError, match=r"corrupt at leaf opt_state/\d\.\w+\.blocks\..*, layer 2"):
         restore(c, str(tmp_path / "ckpt"))
 
 
@@ -172,7 +175,9 @@ def test_info_and_bf16_export(tmp_path):
     engine.close()
     text = inspect.info_text(str(tmp_path / "ckpt"))
     assert "steps: 1" in text and "blocks.fc.kernel" in text and "(4, 64, 256)" in text
-    assert "nvme 877.5 KiB (params/embed, params/blocks, params/head)" in text and "stage=0" in text
+    total = format_bytes(sum(x.nbytes for x in jax.tree.leaves(params)))
+    assert f"nvme {total} (params/s:embed.wte.embedding, params/w:embed.wpe.embedding, params/s:blocks, " \
+           "params/w:head.ln_f" in text and "stage=0" in text
     out = inspect.export_params(str(tmp_path / "ckpt"), str(tmp_path / "bf16"), "bf16")
     assert out["dtype"] == "bfloat16" and out["bytes"] == sum(x.size * 2 for x in jax.tree.leaves(params))
     exported = ocp.PyTreeCheckpointer().restore(str(tmp_path / "bf16"))
@@ -192,15 +197,13 @@ def test_writer_builds_a_checkpoint_leaf_by_leaf(tmp_path):
             writer.write("params", "blocks.fc.kernel", 0, params["blocks"]["fc"]["kernel"][0])
             writer.commit()
     assert complete_steps(str(tmp_path / "ckpt")) == []
+    trees = {"params": params, "opt_state": tx.init(params)}
     with CheckpointWriter(str(tmp_path / "ckpt"), 0, leaves, config=c) as writer:
-        for g in ("embed", "blocks", "head"):
-            trees = {"params": params[g], "opt_state": (jax.vmap(tx.init) if g == "blocks" else tx.init)(params[g])}
-            for item, tree in trees.items():
-                for (path, x) in jax.tree_util.tree_flatten_with_path(tree)[0]:
-                    name = f"{g}." + ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-                                              for k in path)
-                    for i in range(x.shape[0]) if g == "blocks" else [None]:
-                        writer.write(item, name, i, np.asarray(x[i] if i is not None else x))
+        for item, tree in trees.items():
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                leaf = leaves[item][leaf_name(path_str(path))]
+                for i in range(x.shape[0]) if leaf.stacked else [None]:
+                    writer.write(item, leaf.name, i, np.asarray(x[i] if i is not None else x))
     engine, source = restore(c, str(tmp_path / "ckpt"))
     assert source.step == 0
     fresh = make_engine(c)
@@ -220,7 +223,8 @@ def test_writer_builds_a_checkpoint_leaf_by_leaf(tmp_path):
         for name, meta in metas.items():
             spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(path, item, name)}}
             whole = ts.open(spec, open=True, read=True).result().read().result()
-            for i in range(meta["shape"][0]) if name.startswith("blocks.") else [None]:
+            stacked = leaves[item][name].stacked
+            for i in range(meta["shape"][0]) if stacked else [None]:
                 got = reader.read(item, name, i)
                 assert got.dtype == whole.dtype
                 np.testing.assert_array_equal(got, whole[i] if i is not None else whole)

@@ -5,23 +5,16 @@ import os
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax.training import train_state
 
 import zinfjax
-from tests.engine_helpers import config, initial_params
+from tests.engine_helpers import config, make_engine
 from tests.mounts import tmpfs
-from zinfjax import LayeredConventionError, NotElementwiseError, models
-from zinfjax.engine import Engine
-from zinfjax.sharding import make_mesh
+from zinfjax import BatchError, ProgramError, WrapError
 from zinfjax.store import BufferBudgetError, StorePathError, StoreSpaceError
-
-
-def make_engine(c, tx=None):
-    model = models.build(c.model)
-    return Engine(model.layers(), initial_params(c), tx or optax.adam(1e-3), c, make_mesh(c.mesh_axes()),
-                  (c.batch_size, c.seq_len + 1))
 
 
 def files_under(path):
@@ -53,23 +46,75 @@ def test_buffers_that_cannot_hold_one_layer_are_refused_before_writing(tmp_path)
     assert not (tmp_path / "nv").exists()
 
 
-def test_a_transformation_that_is_not_elementwise_is_refused(tmp_path):
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
-    with pytest.raises(NotElementwiseError, match="Config.grad_clip"):
-        make_engine(config(), tx)
+class Unscanned(nn.Module):
+    """Blocks written as a Python loop: parameters layers_0 ... layers_2, nothing stacked."""
 
-
-class Unlayered(nn.Module):
     @nn.compact
     def __call__(self, x):
-        return nn.Dense(4)(x)
+        for _ in range(3):
+            x = x + nn.Dense(4)(x)
+        return x
 
 
-def test_a_model_without_the_layered_convention_is_refused_with_a_pointer_to_the_docs():
-    model = Unlayered()
-    params = model.init(jax.random.key(0), jnp.zeros((1, 4)))["params"]
-    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
-    with pytest.raises(LayeredConventionError, match="layers\\(\\).*docs/layered.md"):
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return h + nn.Dense(4)(h), None
+
+
+class Tower(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()(x, None)
+        return nn.Dense(2)(h)
+
+
+def linen_state(model, x):
+    params = model.init(jax.random.key(0), x)["params"]
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+
+
+def test_a_model_whose_blocks_are_a_python_loop_is_refused_naming_nn_scan():
+    state = linen_state(Unscanned(), jnp.zeros((2, 4)))
+    wrapped = zinfjax.wrap(state, config(), loss_fn=lambda p, b: jnp.mean(state.apply_fn({"params": p}, b) ** 2))
+    with pytest.raises(ProgramError, match="flax.linen.scan.*nnx.scan"):
+        wrapped.train_step(np.ones((8, 4), np.float32))
+
+
+def test_wrap_without_a_loss_for_a_model_of_your_own_names_loss_fn():
+    state = linen_state(Tower(), jnp.zeros((2, 4)))
+    with pytest.raises(WrapError, match="loss_fn"):
         zinfjax.wrap(state, config())
-    with pytest.raises(LayeredConventionError, match="TrainState"):
+    with pytest.raises(WrapError, match="TrainState"):
         zinfjax.wrap(object(), config())
+
+
+def tower_wrapped(loss):
+    state = linen_state(Tower(), jnp.zeros((2, 4)))
+    return zinfjax.wrap(state, config(mesh="data:1"), loss_fn=lambda p, b: loss(state.apply_fn({"params": p}, b["x"]),
+                                                                                  b))
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused():
+    wrapped = tower_wrapped(lambda out, b: out)
+    with pytest.raises(ProgramError, match="float scalar.*mean"):
+        wrapped.train_step({"x": np.ones((8, 4), np.float32)})
+
+
+def test_a_batch_whose_leaves_disagree_on_the_batch_axis_is_refused():
+    wrapped = tower_wrapped(lambda out, b: jnp.mean((out - b["y"]) ** 2))
+    with pytest.raises(BatchError, match="disagree on the batch axis.*\\[4, 8\\]"):
+        wrapped.train_step({"x": np.ones((8, 4), np.float32), "y": np.ones((4, 2), np.float32)})
+
+
+def test_a_batch_of_another_shape_than_the_first_is_refused():
+    wrapped = tower_wrapped(lambda out, b: jnp.mean((out - b["y"]) ** 2))
+    wrapped.train_step({"x": np.ones((8, 4), np.float32), "y": np.ones((8, 2), np.float32)})
+    with pytest.raises(BatchError, match="wrapped for float32\\[8, 4\\]"):
+        wrapped.train_step({"x": np.ones((8, 5), np.float32), "y": np.ones((8, 2), np.float32)})
+    wrapped.close()
+
+
+def test_parameters_that_change_structure_between_layers_cannot_be_stacked():
+    with pytest.raises(zinfjax.UserError, match="stack_layers.*identical"):
+        zinfjax.stack_layers({"layers_0": {"w": np.ones((2, 2))}, "layers_1": {"w": np.ones((3, 2))}})

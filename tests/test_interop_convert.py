@@ -31,6 +31,7 @@ from tests.mounts import tmpfs  # noqa: E402
 from zinfjax import models  # noqa: E402
 from zinfjax.checkpoint import read_meta  # noqa: E402
 from zinfjax.cli import main  # noqa: E402
+from zinfjax.models.stacked import lm_loss  # noqa: E402
 from zinfjax.optim import make_optimizer  # noqa: E402
 from zinfjax.reference import make_step  # noqa: E402
 from zinfjax.sharding import make_mesh, replicated  # noqa: E402
@@ -107,13 +108,12 @@ def test_hf_converts_and_trains_as_the_in_memory_optax_loop(hf, tmp_path, capsys
     mesh = make_mesh(c.mesh_axes())
     ref_params = jax.device_put(params, replicated(mesh))
     ref_opt = jax.jit(tx.init, out_shardings=replicated(mesh))(ref_params)
-    step = make_step(model.layers(), tx, mesh)
+    step = make_step(lm_loss(model), tx, mesh)
     ref_losses = []
     for b in batches:
         ref_params, ref_opt, loss = step(ref_params, ref_opt, b)
         ref_losses.append(float(loss))
 
-    tx = make_optimizer(c.replace(grad_clip=0.0))  # the engine clips from Config.grad_clip itself
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     with zinfjax.wrap(state, c, restore=str(tmp_path / "run")) as wrapped:
         losses = [wrapped.train_step(b)[1]["loss"] for b in batches]
@@ -417,7 +417,7 @@ def test_a_full_disk_is_reported_and_leaves_nothing_half_written(hf, tmp_path, c
 @pytest.mark.slow
 def test_a_checkpoint_larger_than_its_memory_cgroup_converts_both_ways(tmp_path):
     """bench/convert.py: a 1.08 GB checkpoint through a 768 MiB cgroup (page cache included), there and back."""
-    from zinfjax.benchmarks.capacity import MemoryCgroup
+    from zinfjax.benchmarks.cgroup import MemoryCgroup
 
     if not MemoryCgroup.available():
         pytest.skip("no writable cgroup v1 memory controller at /sys/fs/cgroup/memory")

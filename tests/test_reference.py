@@ -4,6 +4,7 @@ import pytest
 
 from zinfjax import Config, models
 from zinfjax.data import Batches, load_tokens
+from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.optim import make_optimizer
 from zinfjax.reference import init_state, make_step
 from zinfjax.sharding import make_mesh
@@ -14,8 +15,8 @@ def losses_on(devices, config, steps=4):
     model = models.build(config.model)
     mesh = make_mesh({"data": len(devices)}, devices)
     tx = make_optimizer(config)
-    params, opt_state = init_state(model, tx, mesh, config.seed, config.seq_len)
-    step = make_step(model.layers(), tx, mesh, config.grad_accum)
+    params, opt_state = init_state(lm_init(model), tx, mesh, config.seed)
+    step = make_step(lm_loss(model), tx, mesh, config.grad_accum)
     batches = Batches(load_tokens("demo"), config.batch_size, config.seq_len, config.seed)
     out = []
     for _ in range(steps):

@@ -10,13 +10,15 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests.engine_helpers import expected_state_bytes
+from tests.engine_helpers import config, expected_state_bytes
 from zinfjax import models
-from zinfjax.engine.functions import Layout, make_layer_functions
+from zinfjax.engine.engine import compiled
 from zinfjax.engine.memory import abstract_params, state_bytes, zero_formula
-from zinfjax.engine.stores import GROUPS, stacked_shardings
+from zinfjax.engine.stores import plan_stores
 from zinfjax.errors import ConfigError
+from zinfjax.optim import make_optimizer
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, make_mesh, shard_shape
+from zinfjax.train import lm_program
 
 # The issue's table, written out independently of zinfjax.sharding: what each stage shards over `data`.
 STAGE_TABLE = {
@@ -58,15 +60,25 @@ def test_data_takes_the_largest_divisible_dimension_free_of_the_model_axis():
     assert rules.spec("opt", "blocks/0/count", ()) == P()
 
 
+def _layout(model_name: str, rules: ShardingRules, mesh):
+    """The reference model's program, placement and stage functions under ``rules``."""
+    model = models.build(model_name)
+    c = config(model=model_name, batch_size=8, seq_len=16, grad_accum=1)
+    tx = make_optimizer(c)
+    program, _ = lm_program(model, c, tx)
+    placement, fns, plan, _ = compiled(program, tx, rules, mesh, jnp.float32)
+    return program, placement, fns, plan
+
+
 def test_the_layer_axis_is_never_sharded():
     mesh = make_mesh({"data": 4, "model": 2})
-    abstract = abstract_params("gpt2-tiny")
     rules = ShardingRules.for_mesh(mesh, 3, models.gpt.PARTITION_RULES, threshold=0)
-    for kind in ("params", "grads", "master"):
-        for g in GROUPS:
-            for s, x in zip(jax.tree.leaves(stacked_shardings(rules, mesh, kind, g, abstract[g])),
-                            jax.tree.leaves(abstract[g]), strict=True):
-                assert s.spec[0] is None and len(s.spec) == x.ndim + (g != "blocks")
+    program, placement, _, plan = _layout("gpt2-tiny", rules, mesh)
+    specs = plan_stores(config(), program, plan, placement, jnp.bfloat16, set(program.groups))
+    assert {s.kind for s in specs} == {"params", "master", "grads", "opt"}
+    for spec in specs:
+        for x in jax.tree.leaves(spec.like):
+            assert x.sharding.spec[0] is None and len(x.sharding.spec) == x.ndim
 
 
 def test_a_model_axis_that_does_not_divide_the_heads_is_refused():
@@ -80,55 +92,55 @@ def _collectives(fn, *args) -> list[str]:
     return re.findall(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", text)
 
 
-def _block_inputs(model_name: str, rules: ShardingRules, mesh):
-    model = models.build(model_name)
-    abstract = abstract_params(model_name)
-    layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract["blocks"])
-    shardings = rules.shardings(mesh, "params", "blocks", layer)
-    layer = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), layer, shardings)
-    rows = NamedSharding(mesh, P(None, "data"))
-    h = jax.ShapeDtypeStruct((1, 8, 16, model.config.d_model), jnp.float32, sharding=rows)
-    return model, layer, h
+def _block_inputs(model_name: str, rules: ShardingRules, mesh, store_rules: ShardingRules | None = None):
+    """The blocks scan, its functions, and one layer's inputs: parameters as stores hold them at ``store_rules``."""
+    program, placement, fns, _ = _layout(model_name, rules, mesh)
+    scan = next(s for s in program.scans() if any(program.leaves[k].path.startswith("blocks/") for k in s.streams))
+    stored = store_rules or rules
+    slices = {k: jax.ShapeDtypeStruct(program.leaves[k].slice_shape, jnp.float32,
+                                      sharding=NamedSharding(mesh, stored.spec("params", program.leaves[k].path,
+                                                                               program.leaves[k].slice_shape)))
+              for k in scan.streams}
+    d = models.build(model_name).config.d_model
+    h = jax.ShapeDtypeStruct((1, 8, 16, d), jnp.float32, sharding=NamedSharding(mesh, P(None, "data")))
+    return program, scan, fns, slices, h
 
 
 @pytest.mark.parametrize("model_name", ["gpt2-tiny", "llama-tiny"])
 def test_tensor_parallel_block_is_megatron_two_all_reduces_and_no_gather(model_name):
     """Column-parallel in, row-parallel out: a block's forward all-reduces after attention and after the MLP."""
     mesh = make_mesh({"data": 2, "model": 4})
-    model = models.build(model_name)
-    rules = ShardingRules.for_mesh(mesh, 0, model.layers().partition_rules)
-    model, layer, h = _block_inputs(model_name, rules, mesh)
-    fns = make_layer_functions(model.layers(), Layout(rules, mesh))
-    assert _collectives(fns.block_fwd, layer, h) == ["all-reduce", "all-reduce"]
-    split = [s.spec for s in jax.tree.leaves(rules.shardings(mesh, "params", "blocks", layer))]
+    rules = ShardingRules.for_mesh(mesh, 0, models.build(model_name).partition_rules)
+    program, scan, fns, slices, h = _block_inputs(model_name, rules, mesh)
+    assert _collectives(fns.scan_fwd(scan.position), {}, slices, [], [h], []) == ["all-reduce", "all-reduce"]
+    split = [x.sharding.spec for x in slices.values()]
     assert sum("model" in tuple(s) for s in split) >= 5  # every attention and MLP kernel is split
 
 
 def test_stage3_gathers_params_inside_the_layer_function():
     mesh = make_mesh({"data": 8})
     rules = ShardingRules.for_mesh(mesh, 3)
-    model, layer, h = _block_inputs("gpt2-tiny", rules, mesh)
-    fns = make_layer_functions(model.layers(), Layout(rules.canonical(["grads"]), mesh))
-    assert "all-gather" in _collectives(fns.block_fwd, layer, h)
+    program, scan, fns, slices, h = _block_inputs("gpt2-tiny", rules, mesh)
+    assert "all-gather" in _collectives(fns.scan_fwd(scan.position), {}, slices, [], [h], [])
     # Stage 2 gathers nothing: its parameters are whole on every device.
-    model, layer, h = _block_inputs("gpt2-tiny", ShardingRules.for_mesh(mesh, 2), mesh)
-    assert "all-gather" not in _collectives(fns.block_fwd, layer, h)
+    program, scan, fns, slices, h = _block_inputs("gpt2-tiny", ShardingRules.for_mesh(mesh, 2), mesh)
+    assert "all-gather" not in _collectives(fns.scan_fwd(scan.position), {}, slices, [], [h], [])
 
 
 @pytest.mark.parametrize("stage", range(4))
 def test_block_gradients_leave_in_the_stage_layout(stage):
     mesh = make_mesh({"data": 8})
     rules = ShardingRules.for_mesh(mesh, stage)
-    model, layer, h = _block_inputs("gpt2-tiny", rules, mesh)
-    fns = make_layer_functions(model.layers(), Layout(rules.canonical(["grads"]), mesh))
-    _, grads = fns.block_bwd.lower(layer, h, h).compile().output_shardings
+    program, scan, fns, slices, h = _block_inputs("gpt2-tiny", rules, mesh)
+    out = fns.scan_bwd(scan.position).lower({}, slices, [], [h], [], [h], []).compile().output_shardings
+    grads = out[1]
     sharded = ["data" in tuple(g.spec) for g in jax.tree.leaves(grads)]
     assert any(sharded) == (stage >= 2)
     # Each device keeps 1/8 of every gradient it owns (XLA's CPU backend lowers the reduce-scatter as
     # an all-reduce and a slice; on GPU it is one reduce-scatter).
     if stage >= 2:
-        kernel = grads["fc"]["kernel"]
-        assert kernel.shard_shape((64, 256)) == (64, 256 // 8)
+        kernel = next(k for k in scan.streams if program.leaves[k].path == "blocks/fc/kernel")
+        assert grads[kernel].shard_shape((64, 256)) == (64, 256 // 8)
 
 
 @pytest.mark.parametrize("stage", range(4))

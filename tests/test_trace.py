@@ -4,11 +4,8 @@ import json
 
 import pytest
 
-from tests.engine_helpers import _tx, batches, config, initial_params
-from zinfjax import models
-from zinfjax.engine import Engine
+from tests.engine_helpers import batches, config, make_engine
 from zinfjax.engine.trace import Tracer, assign_rows, png_path_for
-from zinfjax.sharding import make_mesh
 
 STEPS = 2
 
@@ -18,8 +15,7 @@ def traced(tmp_path_factory):
     """A traced run of the engine with every tier on NVMe: (tracer, number of layers, metrics)."""
     path = tmp_path_factory.mktemp("trace")
     c = config(params="nvme", optimizer="nvme", activations="nvme", nvme_path=str(path / "state"))
-    engine = Engine(models.build(c.model).layers(), initial_params(c), _tx(c), c, make_mesh(c.mesh_axes()),
-                    (c.batch_size, c.seq_len + 1))
+    engine = make_engine(c)
     tracer = Tracer(max_steps=STEPS)
     try:
         data = batches(c)
@@ -40,14 +36,14 @@ def test_every_layer_has_its_compute_reads_and_writes(traced):
     tracer, L, _, _ = traced
     events = tracer.events
     every = list(range(L))
-    for name in ("block_fwd", "block_bwd", "update"):
+    for name in ("blocks_fwd", "blocks_bwd", "update_blocks"):
         assert _layers(events, "compute", "compute", name) == every
-    for track in ("read params_blocks", "read opt_blocks", "read acts"):
+    for track in ("read params_blocks", "read opt_blocks", "read acts_blocks"):
         assert _layers(events, "read", track) == every
-    for track in ("write params_blocks", "write opt_blocks", "write acts"):
+    for track in ("write params_blocks", "write opt_blocks", "write acts_blocks"):
         assert _layers(events, "write", track) == every
     assert len([e for e in events if e.kind == "step"]) == STEPS  # max_steps stops the recording
-    assert len([e for e in events if e.name == "block_fwd"]) == STEPS * L
+    assert len([e for e in events if e.name == "blocks_fwd"]) == STEPS * L
     assert all(e.end >= e.start for e in events)
 
 
@@ -56,7 +52,7 @@ def test_compute_does_not_overlap_itself_and_reads_run_ahead_of_it(traced):
     compute = [e for e in tracer.events if e.kind == "compute"]
     assert all(a.end <= b.start for a, b in zip(compute, compute[1:], strict=False))
     last = max(e.start for e in tracer.events if e.kind == "step")
-    fwd = {e.layer: e for e in compute if e.name == "block_fwd" and e.start >= last}
+    fwd = {e.layer: e for e in compute if e.name == "blocks_fwd" and e.start >= last}
     reads = [e for e in tracer.events if e.track == "read params_blocks" and e.start >= last]
     first_read = {e.layer: e for e in reversed(reads)}  # the forward read; backward reads come later
     # Prefetch: the read of layer i+1 is issued before the compute of layer i has finished.

@@ -104,9 +104,10 @@ def _launch(args) -> int:
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print JSON (io, step, capacity, generate)",
                        description="Benchmarks. Each prints one JSON object; see docs/BENCHMARKS.md.")
-    p.add_argument("name", choices=["io", "step", "capacity", "generate"],
+    p.add_argument("name", choices=["io", "step", "capacity", "memory", "generate"],
                    help="io: the nvme tier against raw O_DIRECT disk throughput; step: reference vs engine on "
                    "device, host and nvme tiers against the I/O floor; capacity: a state far larger than memory; "
+                   "memory: gpt2-small, gpt2-large and llama-1b through zinfjax train in memory cgroups; "
                    "generate: tokens/s with parameters in memory, on host and on nvme at batch sizes 1, 8, 64")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (see `zinfjax bench io -h`)")
     p.set_defaults(func=_bench)

@@ -24,7 +24,9 @@ from zinfjax.units import parse_bytes
 
 TIERS = ("device", "host", "nvme")
 PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adagrad")
+OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adagrad", "rmsprop", "lamb", "adafactor")
+DECAYS = ("constant", "linear", "cosine")
+WARMUPS = ("linear", "log")
 TIER_KEYS = ("params", "optimizer", "gradients", "activations")
 
 
@@ -44,8 +46,9 @@ class Config:
     activations: str = "device"
     kv_cache: str = "device"
     nvme_path: str | None = None
-    prefetch_depth: int = 2
-    host_buffer_bytes: int = 1 << 30
+    prefetch_depth: int | None = None  # None: from memory_limit (engine/budget.py)
+    host_buffer_bytes: int | None = None  # None: from memory_limit
+    memory_limit: int | None = None  # None: the cgroup's limit or the available memory, less a margin
     # numerics
     precision: str = "fp32"
     grad_clip: float = 0.0
@@ -61,6 +64,11 @@ class Config:
     lr: float = 3e-4
     optimizer_name: str = "adamw"
     weight_decay: float = 0.0
+    warmup_steps: int = 0
+    warmup_start_lr: float = 0.0
+    warmup_type: str = "linear"
+    lr_decay: str = "constant"
+    final_lr: float = 0.0
     seed: int = 0
     log: str | None = None
     # checkpoints
@@ -70,7 +78,9 @@ class Config:
     resume: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "host_buffer_bytes", parse_bytes(self.host_buffer_bytes))
+        for key in ("host_buffer_bytes", "memory_limit"):
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, parse_bytes(getattr(self, key)))
         _validate(self)
 
     # ---- loading -------------------------------------------------------------------------------
@@ -190,7 +200,7 @@ def _coerce(key: str, value: Any) -> Any:
         if "None" in kind:
             return None
         raise ConfigError(f"{key} needs a value")
-    if key == "host_buffer_bytes":
+    if key in ("host_buffer_bytes", "memory_limit"):
         return parse_bytes(value)
     try:
         if kind == "int" and not isinstance(value, bool):
@@ -224,8 +234,9 @@ def _validate(c: Config) -> None:
         not c.uses_nvme or bool(c.nvme_path),
         "a tier is 'nvme' but nvme_path is not set; set nvme_path=/path/on/fast/disk",
     )
-    _check(c.prefetch_depth >= 0, f"prefetch_depth={c.prefetch_depth} must be 0 or more")
-    _check(c.host_buffer_bytes > 0, f"host_buffer_bytes={c.host_buffer_bytes} must be positive")
+    _check(c.prefetch_depth is None or c.prefetch_depth >= 0, f"prefetch_depth={c.prefetch_depth} must be 0 or more")
+    for key in ("host_buffer_bytes", "memory_limit"):
+        _check(getattr(c, key) is None or getattr(c, key) > 0, f"{key}={getattr(c, key)} must be positive")
     _check(c.precision in PRECISIONS, f"precision={c.precision!r} is not allowed; use {', '.join(PRECISIONS)}")
     _check(c.grad_clip >= 0, f"grad_clip={c.grad_clip} must be 0 (off) or positive")
     _check(c.grad_accum >= 1, f"grad_accum={c.grad_accum} must be 1 or more")
@@ -236,6 +247,11 @@ def _validate(c: Config) -> None:
     for key in ("steps", "batch_size", "seq_len"):
         _check(getattr(c, key) >= 1, f"{key}={getattr(c, key)} must be 1 or more")
     _check(c.lr > 0, f"lr={c.lr} must be positive")
+    _check(c.warmup_steps >= 0, f"warmup_steps={c.warmup_steps} must be 0 (none) or more")
+    _check(c.lr_decay in DECAYS, f"lr_decay={c.lr_decay!r} is not allowed; use one of {', '.join(DECAYS)}")
+    _check(c.warmup_type in WARMUPS, f"warmup_type={c.warmup_type!r} is not allowed; use one of {', '.join(WARMUPS)}")
+    _check(0 <= c.final_lr <= c.lr, f"final_lr={c.final_lr} must be between 0 and lr={c.lr}")
+    _check(0 <= c.warmup_start_lr <= c.lr, f"warmup_start_lr={c.warmup_start_lr} must be between 0 and lr={c.lr}")
     _check(c.save_every >= 0, f"save_every={c.save_every} must be 0 (only at the end) or positive")
     _check(c.keep_checkpoints >= 1, f"keep_checkpoints={c.keep_checkpoints} must be 1 or more")
     _check(bool(c.save_dir) or not (c.save_every or c.resume),
@@ -254,8 +270,10 @@ KEY_DOCS = {
     "gradients": "tier of spooled gradients (used with grad_clip): device, host or nvme",
     "activations": "tier of the layer-boundary activation checkpoints: device, host or nvme",
     "nvme_path": "directory on a fast local disk for the nvme tier",
-    "prefetch_depth": "layers read ahead of compute (0 reads on demand)",
-    "host_buffer_bytes": "bound on host staging buffers for NVMe I/O, e.g. 512MiB",
+    "prefetch_depth": "layers read ahead of compute (0 reads on demand); default: what memory_limit allows (1-4)",
+    "host_buffer_bytes": "bound on host staging buffers for NVMe I/O, e.g. 512MiB; default: from memory_limit",
+    "memory_limit": "host memory the process may use, e.g. 2GiB; the engine derives its buffers and read-ahead "
+                    "from it; default: the memory cgroup's limit or the available memory, less a margin",
     "precision": "fp32, bf16 or fp16 compute (master weights stay fp32)",
     "grad_clip": "global-norm gradient clipping threshold; 0 is off",
     "grad_accum": "micro-batches per optimizer step",
@@ -268,7 +286,12 @@ KEY_DOCS = {
     "seq_len": "tokens per sequence",
     "lr": "learning rate",
     "optimizer_name": f"optax optimizer: {', '.join(OPTIMIZERS)}",
-    "weight_decay": "decoupled weight decay for adamw and lion",
+    "weight_decay": "decoupled weight decay for adamw, lion, lamb and adafactor",
+    "warmup_steps": "steps of learning-rate warmup from warmup_start_lr to lr (0: none)",
+    "warmup_start_lr": "the learning rate the warmup starts from",
+    "warmup_type": "linear, or log (DeepSpeed WarmupLR's default)",
+    "lr_decay": "after the warmup: constant, linear or cosine decay to final_lr at the last step",
+    "final_lr": "the learning rate at the last step of a linear or cosine decay",
     "seed": "seed of the initial parameters and of the data order",
     "log": "path of the JSON log; a PNG loss curve is written beside it",
     "kv_cache": "tier of the KV cache of `zinfjax generate`: device, host or nvme",

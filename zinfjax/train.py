@@ -12,23 +12,25 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import time
 
 import jax
-import optax
+import jax.numpy as jnp
 from tqdm import tqdm
 
-from zinfjax import models
+from zinfjax import models, rss
 from zinfjax.config import TIER_KEYS, Config
 from zinfjax.data import Batches, check_vocab, load_tokens
 from zinfjax.distributed import initialize_from_env, is_main_process, process_nvme_path
-from zinfjax.engine import Engine
-from zinfjax.engine.engine import COMPUTE_DTYPES
-from zinfjax.optim import make_optimizer
+from zinfjax.engine.engine import COMPUTE_DTYPES, Engine, update_plan
+from zinfjax.models.stacked import lm_init, lm_loss
+from zinfjax.optim import make_optimizer, make_schedule
 from zinfjax.plots import loss_curve
+from zinfjax.program import InitSource, program_for
 from zinfjax.reference import init_state, make_step
 from zinfjax.sharding import batch_sharding, check_batch, make_mesh
 from zinfjax.units import format_bytes
@@ -40,8 +42,8 @@ class ReferenceTrainer:
     def __init__(self, config: Config, model, mesh):
         self.tx = make_optimizer(config)
         self.mesh = mesh
-        self.params, self.opt_state = init_state(model, self.tx, mesh, config.seed, config.seq_len)
-        self._step = make_step(model.layers(), self.tx, mesh, config.grad_accum)
+        self.params, self.opt_state = init_state(lm_init(model), self.tx, mesh, config.seed)
+        self._step = make_step(lm_loss(model), self.tx, mesh, config.grad_accum)
 
     def next_batch(self, batches: Batches) -> jax.Array:
         return global_batch(batches, batch_sharding(self.mesh))
@@ -52,30 +54,55 @@ class ReferenceTrainer:
         return {"loss": float(loss)}
 
 
+def lm_program(model, config: Config, tx):
+    """The program (and update plan) of a reference language model on ``(batch_size, seq_len + 1)`` tokens."""
+    batch = jax.ShapeDtypeStruct((config.batch_size // config.grad_accum, config.seq_len + 1), jnp.int32)
+    compute = COMPUTE_DTYPES[config.precision]
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute),
+                        jax.eval_shape(lm_init(model), jax.random.key(0)))
+    program = program_for(lm_loss(model), like, batch)
+    return program, update_plan(tx, program)
+
+
+def lm_engine(model, config: Config, mesh, source=None, tx=None) -> Engine:
+    """An engine training a reference language model.
+
+    ``source`` is None (initialise layer by layer, bitwise as ``model.init``), a source, or a
+    callable ``source(program, plan)`` that makes one.
+
+    Example:
+        >>> engine = lm_engine(models.build("gpt2-tiny"), Config(params="nvme", nvme_path="/nv"), mesh)
+    """
+    tx = tx or make_optimizer(config)
+    program, plan = lm_program(model, config, tx)
+    if source is None:
+        source = InitSource(program, lm_init(model), jax.random.key(config.seed))
+    elif callable(source) and not hasattr(source, "params"):
+        source = source(program, plan)
+    return Engine(program, source, tx, config, mesh, tp_rules=model.partition_rules)
+
+
 class EngineTrainer:
     """The streaming engine behind the same ``step(batch) -> metrics`` interface.
 
-    With ``config.resume`` it starts from the newest complete checkpoint in ``config.save_dir``
-    (``self.restored``: its directory), else from the initial parameters.
+    The initial parameters are made one layer at a time straight into their tiers (`InitSource`),
+    bitwise as the model's own ``init`` makes them. With ``config.resume`` it starts from the newest
+    complete checkpoint in ``config.save_dir`` (``self.restored``: its source) instead.
     """
 
     def __init__(self, config: Config, model, mesh):
         self.restored = None
-        source = self._checkpoint(config, model, mesh) if config.resume else None
-        if source is None:
-            source, _ = init_state(model, optax.identity(), mesh, config.seed, config.seq_len)
-        tx = make_optimizer(config.replace(grad_clip=0.0))  # the engine clips from config.grad_clip itself
-        self.engine = Engine(model.layers(), source, tx, config, mesh, (config.batch_size, config.seq_len + 1))
+        self._config, self._model = config, model
+        self.engine = lm_engine(model, config, mesh, source=self._source)
 
-    def _checkpoint(self, config: Config, model, mesh):
+    def _source(self, program, plan):
         from zinfjax.checkpoint import CheckpointSource, complete_steps
 
-        if not complete_steps(config.save_dir):
-            return None
-        abstract = jax.eval_shape(lambda: init_state(model, optax.identity(), mesh, config.seed, config.seq_len)[0])
-        source = CheckpointSource(config.save_dir, abstract)
-        self.restored = source
-        return source
+        config = self._config
+        if config.resume and complete_steps(config.save_dir):
+            self.restored = CheckpointSource(config.save_dir, program, plan)
+            return self.restored
+        return InitSource(program, lm_init(self._model), jax.random.key(config.seed))
 
     def next_batch(self, batches: Batches):
         # The engine places a host batch itself; every process builds the same one, as batch n
@@ -128,22 +155,33 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     """
     initialize_from_env()
     main = is_main_process()
+    started = time.perf_counter()
     model, trainer = build_trainer(config.replace(nvme_path=process_nvme_path(config.nvme_path)))
     tracer = _attach_tracer(trainer, trace if main else None)
     tokens = load_tokens(config.data)
     check_vocab(tokens, model.config.vocab_size, config.data)
     batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
-    log = {"config": config.to_dict(), "processes": jax.process_count(), "devices": jax.device_count(), "steps": []}
+    log = {"config": config.to_dict(), "processes": jax.process_count(), "devices": jax.device_count(),
+           "init_s": time.perf_counter() - started, "init_peak_rss_bytes": rss.peak_bytes(), "steps": []}
     first = _start(trainer, batches, log, main)
+    schedule = make_schedule(config)
+    if config.warmup_steps > config.steps and main:
+        print(f"zinfjax: warning: warmup_steps={config.warmup_steps} is longer than the run (steps={config.steps}): "
+              "the learning rate never reaches lr", file=sys.stderr)
+    if getattr(trainer, "engine", None) is not None:
+        log["budget"] = dataclasses.asdict(trainer.engine.budget)
     saver = Saver(config, model.config, trainer) if config.save_dir else None
     bar = tqdm(range(first, config.steps + 1), disable=not (progress and main), unit="step", dynamic_ncols=True,
                initial=first - 1, total=config.steps)
     try:
         for step in bar:
+            rss.reset_peak()
             start = time.perf_counter()
             metrics = trainer.step(trainer.next_batch(batches))
             seconds = time.perf_counter() - start
-            record = {"step": step, **metrics, "tokens_per_s": config.batch_size * config.seq_len / seconds}
+            record = {"step": step, **metrics, "tokens_per_s": config.batch_size * config.seq_len / seconds,
+                      "lr": float(schedule(step - 1)) if callable(schedule) else schedule,
+                      "peak_rss_bytes": rss.peak_bytes()}
             log["steps"].append(record)
             bar.set_postfix_str(progress_text(record), refresh=False)
             if saver:

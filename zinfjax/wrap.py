@@ -1,53 +1,89 @@
 """`zinfjax.wrap`: a Flax ``TrainState`` (Linen) or ``nnx.Optimizer`` (NNX) in, a streaming state out.
 
+Any Flax model whose repeated blocks are ``nn.scan`` / ``nnx.scan`` over stacked parameters streams:
+give the loss you would pass to ``jax.grad`` in your own loop. zinfjax cuts it at its scans
+(`zinfjax.program`), keeps every part of the state on its tier, and trains exactly as the plain
+in-memory optax loop would.
+
 Example:
     >>> state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(3e-4))
-    >>> state = zinfjax.wrap(state, zinfjax.Config(params="nvme", optimizer="nvme", nvme_path="/mnt/nvme/run1"))
+    >>> def loss_fn(params, batch):
+    ...     logits = state.apply_fn({"params": params}, batch["image"])
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    >>> state = zinfjax.wrap(state, zinfjax.Config(params="nvme", optimizer="nvme", nvme_path="/mnt/nvme/run1"),
+    ...                      loss_fn=loss_fn)
     >>> for batch in batches:
     ...     state, metrics = state.train_step(batch)
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from zinfjax.config import Config
-from zinfjax.engine.engine import Engine
-from zinfjax.models.layered import DOCS, LayeredConventionError, get_layers
+from zinfjax.engine.engine import COMPUTE_DTYPES, BatchError, Engine, update_plan
+from zinfjax.engine.source import TreeSource
+from zinfjax.errors import UserError
+from zinfjax.models.stacked import StackedLM, lm_init, lm_loss
+from zinfjax.program import InitSource, program_for
 from zinfjax.sharding import make_mesh
+
+DOCS = "docs/models.md"
+
+
+class WrapError(UserError):
+    """What was given to `wrap` cannot be wrapped as it is."""
 
 
 class WrappedState:
     """A training state whose parameters and optimizer state live on the tiers of its config.
 
-    ``train_step(batch)`` runs one optimizer step on a (batch_size, seq_len + 1) token batch and
-    returns ``(state, metrics)``. The state is a handle on the stores: the returned state is this
-    same object, one step further on.
+    ``train_step(batch)`` runs one optimizer step and returns ``(state, metrics)``. The state is a
+    handle on the stores: the returned state is this same object, one step further on. The engine
+    is built at the first step when the batch's structure was not known at `wrap`.
 
     Attributes:
         step: optimizer steps taken.
         config: the `Config`.
-        engine: the streaming `Engine`.
     """
 
-    def __init__(self, engine: Engine, config: Config, step: int = 0, on_sync=None):
-        self.engine, self.config, self.step = engine, config, step
-        self._on_sync = on_sync
+    def __init__(self, build, config: Config, step: int = 0, on_sync=None, engine: Engine | None = None):
+        self._build, self.config, self.step, self._on_sync = build, config, step, on_sync
+        self._engine = engine
 
-    def train_step(self, batch) -> tuple[WrappedState, dict[str, Any]]:
-        """One optimizer step; ``metrics`` has loss, bytes moved per tier, stall, compute and overlap."""
-        expected = (self.config.batch_size, self.config.seq_len + 1)
-        if tuple(batch.shape) != expected:
-            raise ValueError(f"batch has shape {tuple(batch.shape)}; this state was wrapped for {expected} "
-                             f"(Config.batch_size, Config.seq_len + 1)")
-        metrics = self.engine.train_step(batch)
-        self.step = self.engine.step_count
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise WrapError("the state has not trained a step yet: call train_step(batch) first")
+        return self._engine
+
+    def train_step(self, batch, rng=None) -> tuple[WrappedState, dict[str, Any]]:
+        """One optimizer step on ``batch`` (a pytree of arrays with a leading batch axis).
+
+        ``rng`` overrides the step's key for a loss that takes one (by default
+        ``fold_in(key(config.seed), step)``).
+        """
+        _check_batch_axis(batch)
+        if self._engine is None:
+            self._engine = self._build(batch)
+        metrics = self._engine.train_step(batch, rng)
+        self.step = self._engine.step_count
         return self, {"step": self.step, **metrics}
 
     @property
     def params(self):
-        """The current parameters, gathered into memory (fp32 master weights under mixed precision)."""
-        return self.engine.params("master" if self.engine.stores.master else "params")
+        """The current parameters in your tree's layout, gathered into memory (fp32 master weights)."""
+        return self.engine.params()
+
+    @property
+    def opt_state(self):
+        """The current optax state of the whole tree, gathered into memory."""
+        return self.engine.opt_state()
 
     def sync(self):
         """Writes the current parameters back into the wrapped NNX model (no-op for Linen); returns them."""
@@ -58,7 +94,8 @@ class WrappedState:
 
     def close(self) -> None:
         """Waits for every write and releases the stores (and their locks)."""
-        self.engine.close()
+        if self._engine is not None:
+            self._engine.close()
 
     def __enter__(self):
         return self
@@ -67,52 +104,133 @@ class WrappedState:
         self.close()
 
 
-def wrap(state, config: Config, mesh=None, model=None, restore: str | None = None) -> WrappedState:
+def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=None, restore: str | None = None,
+         batch=None, partition_rules: tuple = ()) -> WrappedState:
     """Wraps a Flax Linen ``TrainState`` or an NNX ``nnx.Optimizer`` for streaming training.
 
-    An ``nnx.Optimizer`` does not hold its model (flax >= 0.11), so NNX users pass ``model=``.
-    ``restore`` (a save_dir, or one checkpoint in it) starts from that checkpoint instead of the
-    state's parameters, whatever mesh, stage and tiers it was saved with (docs/checkpoint.md).
-
-    The model must follow the layered convention (docs/layered.md): a ``layers()`` method and
-    parameters grouped as ``embed``, ``blocks`` (stacked on a layer axis) and ``head``. The
-    optax transformation must be elementwise; use ``Config.grad_clip`` for clipping.
+    Args:
+        state: a ``TrainState`` (params, tx, opt_state and step are kept), or an ``nnx.Optimizer``.
+        config: the `Config`: tiers, stage, mesh, precision, accumulation.
+        loss_fn: ``loss_fn(params, batch) -> scalar``, or ``(params, batch, rng)`` for dropout; for NNX,
+            ``loss_fn(model, batch[, rng])``. None for zinfjax's own language models, whose batch is
+            ``(batch_size, seq_len + 1)`` tokens.
+        init_fn: ``init_fn(rng) -> params``, for a state whose params are abstract
+            (``jax.eval_shape``): the parameters are then initialised one layer at a time, straight into
+            their tiers, so a model larger than memory never exists whole.
+        mesh: a ``("data", "model")`` mesh; by default ``config.mesh``.
+        model: the NNX model (an ``nnx.Optimizer`` does not hold it).
+        restore: a save_dir (or one checkpoint) to start from instead (docs/checkpoint.md).
+        batch: an example batch (or ``ShapeDtypeStruct``s), to build the engine now rather than at
+            the first step.
+        partition_rules: tensor-parallel rules ``(path pattern, per-layer spec)`` (docs/sharding.md).
 
     Example:
-        >>> state = zinfjax.wrap(state, zinfjax.Config(stage=0, params="host", optimizer="host"))
+        >>> state = zinfjax.wrap(state, zinfjax.Config(params="nvme", optimizer="nvme", nvme_path="/nv"),
+        ...                      loss_fn=loss_fn)
         >>> state, metrics = state.train_step(batch)
-        >>> nnx_state = zinfjax.wrap(nnx.Optimizer(model, tx, wrt=nnx.Param), config, model=model)
-        >>> state = zinfjax.wrap(state, config, restore="runs/ckpt")      # resume from the newest checkpoint
+        >>> big = zinfjax.wrap(abstract_state, config, loss_fn=loss_fn, init_fn=init_fn)   # never whole
     """
     mesh = mesh if mesh is not None else make_mesh(config.mesh_axes())
-    batch_shape = (config.batch_size, config.seq_len + 1)
     if _is_nnx_optimizer(state):
-        if model is None:
-            raise LayeredConventionError("wrapping an nnx.Optimizer needs its model: zinfjax.wrap(optimizer, "
-                                         "config, model=model)")
-        return _wrap_nnx(state, model, config, mesh, batch_shape, restore)
-    for attr in ("apply_fn", "params", "tx"):
+        return _wrap_nnx(state, config, loss_fn, mesh, model, restore, batch, partition_rules)
+    for attr in ("params", "tx"):
         if not hasattr(state, attr):
-            raise LayeredConventionError(
-                f"zinfjax.wrap takes a flax TrainState or an nnx.Optimizer; {type(state).__name__} has no "
-                f"{attr!r}; see {DOCS}"
-            )
-    model = getattr(state.apply_fn, "__self__", None)
-    if model is None:
-        raise LayeredConventionError(
-            f"state.apply_fn must be the bound apply of a layered model (model.apply); see {DOCS}"
-        )
-    engine = Engine(get_layers(model), _source(state.params, restore), state.tx, config, mesh, batch_shape)
-    return WrappedState(engine, config, engine.step_count if restore else int(getattr(state, "step", 0)))
+            raise WrapError(f"zinfjax.wrap takes a flax TrainState or an nnx.Optimizer; {type(state).__name__} has no "
+                            f"{attr!r}")
+    module = getattr(getattr(state, "apply_fn", None), "__self__", None)
+    if loss_fn is None:
+        if not isinstance(module, StackedLM):
+            raise WrapError("give zinfjax.wrap your loss: wrap(state, config, loss_fn=loss_fn), with "
+                            f"loss_fn(params, batch) -> scalar as you would pass it to jax.grad (see {DOCS})")
+        loss_fn, partition_rules = lm_loss(module), partition_rules or module.partition_rules
+        init_fn = init_fn or lm_init(module)
+        batch = batch if batch is not None else jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1),
+                                                                     jnp.int32)
+    abstract = _is_abstract(state.params)
+    if abstract and init_fn is None and restore is None:
+        raise WrapError("the state's params are abstract (jax.eval_shape); pass init_fn=lambda rng: "
+                        "model.init(rng, example)['params'] so zinfjax initialises them one layer at a time")
+    opt_state = None if abstract else getattr(state, "opt_state", None)
+    step = 0 if abstract else int(getattr(state, "step", 0))
+
+    def source_for(program, plan):
+        if restore is not None:
+            from zinfjax.checkpoint import CheckpointSource
+
+            return CheckpointSource(restore, program, plan)
+        if abstract:
+            return InitSource(program, init_fn, jax.random.key(config.seed))
+        return TreeSource(program, plan, state.params, _checked_state(opt_state, plan), step)
+
+    build = _builder(loss_fn, state.params, state.tx, config, mesh, partition_rules, source_for)
+    engine = build(batch) if batch is not None else None
+    return WrappedState(build, config, engine.step_count if engine is not None else step, engine=engine)
 
 
-def _source(params, restore: str | None):
-    """The parameters themselves, or the checkpoint to restore in their place."""
-    if restore is None:
-        return params
-    from zinfjax.checkpoint import CheckpointSource
+def _builder(loss_fn, params, tx, config: Config, mesh, partition_rules, source_for):
+    """``build(batch) -> Engine``: traces the loss on one micro-batch of ``batch``'s structure and fills the stores."""
+    with_rng = _takes_rng(loss_fn)
+    compute = COMPUTE_DTYPES[config.precision]
+    params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _compute_dtype(x, compute)), params)
 
-    return CheckpointSource(restore, params)
+    def build(batch) -> Engine:
+        program = program_for(loss_fn, params_like, _micro_like(batch, config.grad_accum), with_rng)
+        plan = update_plan(tx, program)
+        return Engine(program, source_for(program, plan), tx, config, mesh, tp_rules=tuple(partition_rules))
+
+    return build
+
+
+def _compute_dtype(x, compute):
+    dtype = jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype
+    return compute if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def _micro_like(batch, grad_accum: int):
+    """One micro-batch's abstract leaves: the batch axis divided by ``grad_accum``."""
+    def one(x):
+        shape = tuple(np.shape(x))
+        if not shape:
+            return jax.ShapeDtypeStruct((), x.dtype)
+        if shape[0] % grad_accum:
+            raise BatchError(f"a batch of {shape[0]} rows does not split into grad_accum={grad_accum} micro-batches")
+        return jax.ShapeDtypeStruct((shape[0] // grad_accum, *shape[1:]), x.dtype)
+
+    return jax.tree.map(one, batch)
+
+
+def _check_batch_axis(batch) -> None:
+    sizes = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x)}
+    if len(sizes) > 1:
+        raise BatchError(f"the batch's leaves disagree on the batch axis (leading sizes {sorted(sizes)}); every leaf "
+                         "needs the same leading batch size")
+
+
+def _takes_rng(loss_fn) -> bool:
+    """Whether ``loss_fn`` takes a third, rng argument."""
+    try:
+        params = [p for p in inspect.signature(loss_fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):
+        return False
+    if len(params) not in (2, 3):
+        raise WrapError(f"loss_fn takes {len(params)} arguments; it must be loss_fn(params, batch) or "
+                        "loss_fn(params, batch, rng)")
+    return len(params) == 3
+
+
+def _is_abstract(tree) -> bool:
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def _checked_state(opt_state, plan):
+    """The wrapped state's own optax state, if it is the state ``tx.init`` makes (else refuse: never reset it)."""
+    if opt_state is None:
+        return None
+    if jax.tree_util.tree_structure(opt_state) != plan.state_tree:
+        raise WrapError("the state's opt_state does not have the structure of state.tx.init(params); zinfjax keeps "
+                        "the optimizer state it is given, so wrap a state whose tx made its opt_state")
+    return opt_state
 
 
 def _is_nnx_optimizer(state) -> bool:
@@ -123,18 +241,88 @@ def _is_nnx_optimizer(state) -> bool:
     return isinstance(state, nnx.Optimizer)
 
 
-def _wrap_nnx(optimizer, model, config: Config, mesh, batch_shape, restore: str | None) -> WrappedState:
+def _wrap_nnx(optimizer, config: Config, loss_fn, mesh, model, restore, batch, partition_rules) -> WrappedState:
     from flax import nnx
 
-    linen = getattr(model, "module", None)  # nnx.bridge.ToNNX keeps the Linen module here
-    layered = linen if linen is not None else model
-    params = nnx.state(model, nnx.Param).to_pure_dict()
-    engine = Engine(get_layers(layered), _source(params, restore), optimizer.tx, config, mesh, batch_shape)
+    if model is None:
+        raise WrapError("wrapping an nnx.Optimizer needs its model: zinfjax.wrap(optimizer, config, model=model, "
+                        "loss_fn=loss_fn)")
+    graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
+    params = params_state.to_pure_dict()
+    linen = getattr(model, "module", None)  # nnx.bridge.ToNNX keeps a Linen module here
+    if loss_fn is None and isinstance(linen, StackedLM):
+        pure_loss, partition_rules = lm_loss(linen), partition_rules or linen.partition_rules
+        batch = batch if batch is not None else jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1),
+                                                                     jnp.int32)
+    elif loss_fn is None:
+        raise WrapError("give zinfjax.wrap your loss: wrap(optimizer, config, model=model, loss_fn=loss_fn) with "
+                        "loss_fn(model, batch) -> scalar")
+    else:
+        pure_loss = _nnx_loss(loss_fn, graphdef, params_state, rest)
+    step = int(optimizer.step[...])
+    opt_state = _pure(optimizer.opt_state)
+
+    def source_for(program, plan):
+        if restore is not None:
+            from zinfjax.checkpoint import CheckpointSource
+
+            return CheckpointSource(restore, program, plan)
+        return TreeSource(program, plan, params, _checked_state(opt_state, plan), step)
 
     def write_back(new_params) -> None:
         state = nnx.state(model, nnx.Param)
         state.replace_by_pure_dict(new_params)
         nnx.update(model, state)
 
-    step = engine.step_count if restore else int(optimizer.step[...])
-    return WrappedState(engine, config, step, on_sync=write_back)
+    build = _builder(pure_loss, params, optimizer.tx, config, mesh, partition_rules, source_for)
+    engine = build(batch) if batch is not None else None
+    return WrappedState(build, config, engine.step_count if engine is not None else step, on_sync=write_back,
+                        engine=engine)
+
+
+_NNX_LOSSES: dict = {}
+
+
+def _nnx_loss(loss_fn, graphdef, params_state, rest):
+    """``loss(params, batch[, rng])`` over a pure parameter dict, from an NNX ``loss_fn(model, batch[, rng])``."""
+    from flax import nnx
+
+    key = (loss_fn, graphdef)
+    if key in _NNX_LOSSES:
+        return _NNX_LOSSES[key]
+    with_rng = _takes_rng(loss_fn)
+
+    def merged(params):
+        state = jax.tree.map(lambda x: x, params_state)
+        state.replace_by_pure_dict(params)
+        return nnx.merge(graphdef, state, rest)
+
+    if with_rng:
+        def loss(params, batch, rng):
+            return loss_fn(merged(params), batch, rng)
+    else:
+        def loss(params, batch):
+            return loss_fn(merged(params), batch)
+
+    _NNX_LOSSES[key] = loss
+    return loss
+
+
+def _pure(tree):
+    """An NNX optimizer state as plain optax state: variables as their values, ``nnx.State`` as dicts."""
+    from flax import nnx
+
+    def convert(x):
+        if isinstance(x, nnx.Variable):
+            return x[...]
+        if isinstance(x, nnx.State):
+            return {k: convert(v) for k, v in x.items()}
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(*[convert(v) for v in x])
+        if isinstance(x, tuple | list):
+            return type(x)(convert(v) for v in x)
+        if isinstance(x, dict):
+            return {k: convert(v) for k, v in x.items()}
+        return x
+
+    return convert(tree)

@@ -31,14 +31,10 @@ import time
 
 from zinfjax import allocator
 from zinfjax.allocator import tune_allocator
-from zinfjax.benchmarks.capacity import (
-    MemoryCgroup,
-    disk_read_bytes,
-    layerwise_source,
-    param_count,
-    peak_rss_bytes,
-)
+from zinfjax.benchmarks.capacity import param_count
+from zinfjax.benchmarks.cgroup import MemoryCgroup, disk_read_bytes
 from zinfjax.benchmarks.io import parse_size, raw_direct_io
+from zinfjax.rss import peak_bytes as peak_rss_bytes
 
 RUNS = ("reference", "device", "host", "nvme")
 GB = 1e9
@@ -77,13 +73,14 @@ def time_reference(args, c, batch) -> tuple[list[float], list[float], list[dict]
     import jax
 
     from zinfjax.models import build
+    from zinfjax.models.stacked import lm_init, lm_loss
     from zinfjax.optim import make_optimizer
     from zinfjax.reference import init_state, make_step
     from zinfjax.sharding import make_mesh
 
     model, tx, mesh = build(bench_model(args)), make_optimizer(c), make_mesh(c.mesh_axes())
-    params, opt = init_state(model, tx, mesh, c.seed, c.seq_len)
-    step = make_step(model.layers(), tx, mesh, c.grad_accum)
+    params, opt = init_state(lm_init(model), tx, mesh, c.seed)
+    step = make_step(lm_loss(model), tx, mesh, c.grad_accum)
     times, losses = [], []
     for _ in range(args.warmup + args.steps):
         t0 = time.perf_counter()
@@ -94,14 +91,11 @@ def time_reference(args, c, batch) -> tuple[list[float], list[float], list[dict]
 
 
 def time_engine(args, c, batch) -> tuple[list[float], list[float], list[dict]]:
-    from zinfjax.engine import Engine
     from zinfjax.models import build
-    from zinfjax.optim import make_optimizer
     from zinfjax.sharding import make_mesh
+    from zinfjax.train import lm_engine
 
-    model = bench_model(args)
-    engine = Engine(build(model).layers(), layerwise_source(model, c.seed), make_optimizer(c), c,
-                    make_mesh(c.mesh_axes()), (c.batch_size, c.seq_len + 1))
+    engine = lm_engine(build(bench_model(args)), c, make_mesh(c.mesh_axes()))
     try:
         metrics = [engine.train_step(batch) for _ in range(args.warmup + args.steps)]
     finally:

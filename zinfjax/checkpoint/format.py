@@ -3,9 +3,10 @@
 ```
 <save_dir>/<step>/
   params/        the parameters (fp32 master weights under mixed precision), an orbax PyTree
-                 checkpoint: _METADATA, and one zarr3 array per leaf, named by its key path
-                 (``blocks.attn.q.kernel``); blocks are stacked on a leading layer axis
-  opt_state/     the optax state of each group, the same way
+                 checkpoint: _METADATA, and one zarr3 array per leaf of your own tree, named by its
+                 key path (``blocks.attn.q.kernel``); stacked blocks keep their layer axis
+  opt_state/     the optax state of the whole tree, the same way (``0.mu.blocks.attn.q.kernel``,
+                 ``0.count``)
   zinfjax.json   step, data position, seed, loss scale, the run's config and model, every leaf's
                  shape/dtype/chunk shape, and the bytes each store held on its tier
 ```
@@ -31,7 +32,7 @@ from zinfjax.store import manifest
 ITEMS = ("params", "opt_state")
 META = "zinfjax.json"
 ORBAX_METADATA = "_METADATA"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: leaves named by the user's tree paths; the optimizer state is one optax tree
 
 
 def step_dir(save_dir: str, step: int) -> str:

@@ -20,6 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
+import numpy as np
 
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import CheckpointNotFoundError, CheckpointSaveError
@@ -137,8 +138,9 @@ class CheckpointManager:
     def _meta(self, engine, parts: list[Part], step: int, data_position: int | None) -> dict:
         tiers: dict[str, dict] = {}
         for part in parts:
-            entry = tiers.setdefault(part.store.tier, {"bytes": 0, "stores": []})
-            entry["bytes"] += part.store.num_layers * part.store.layer_nbytes
+            tier = part.store.tier if part.store is not None else "memory"
+            entry = tiers.setdefault(tier, {"bytes": 0, "stores": []})
+            entry["bytes"] += sum(_nbytes(leaf.meta) for leaf in part.leaves)
             entry["stores"].append(f"{part.item}/{part.group}")
         config = self.config or engine.config
         return {
@@ -147,6 +149,7 @@ class CheckpointManager:
             "data_position": step if data_position is None else int(data_position),
             "seed": config.seed,
             "loss_scale": engine.loss_scale.value,
+            "loss_scale_good": engine.loss_scale.good,
             "precision": engine.config.precision,
             "num_layers": engine.num_layers,
             "processes": jax.process_count(),
@@ -249,3 +252,7 @@ def _model_dict(model) -> dict | None:
     import dataclasses
 
     return dataclasses.asdict(model) if dataclasses.is_dataclass(model) else {"name": str(model)}
+
+
+def _nbytes(meta: dict) -> int:
+    return int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize

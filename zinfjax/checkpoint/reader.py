@@ -48,6 +48,14 @@ class LeafReader:
             raise CheckpointCorruptError(f"the checkpoint {self.directory} is corrupt at {where}: {missing}"
                                          + (f"; {self.hint}" if self.hint else "")) from e
 
+    def read_rows(self, item: str, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of leaf ``item/name`` (a chunk of a vocabulary table)."""
+        try:
+            return self._open(item, name)[start:stop].read().result()
+        except (ValueError, FileNotFoundError) as e:
+            raise CheckpointCorruptError(f"the checkpoint {self.directory} is corrupt at leaf {item}/{name}, rows "
+                                         f"{start}:{stop}: {e}" + (f"; {self.hint}" if self.hint else "")) from e
+
     def _read_chunk(self, item: str, name: str, meta: dict, layer: int | None) -> np.ndarray:
         shape = meta["shape"][1:] if layer is not None else meta["shape"]
         dtype = np.dtype(meta["dtype"])

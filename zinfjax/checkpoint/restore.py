@@ -1,78 +1,75 @@
 """Restoring a checkpoint into an engine of any mesh, stage, process count or tiers.
 
-A checkpoint holds every leaf whole (its chunks are one device shard each, of the mesh it was
-saved on), so restoring reads each layer whole (`LeafReader`: one direct read where the layer is
-one chunk, else tensorstore; every chunk's crc32c checked) and writes it into the new engine's
-stores, which split it their own way. Memory stays at one layer, as when training.
+A checkpoint holds every leaf whole, in the user's tree layout (its chunks are device shards of
+the mesh it was saved on), so a restore reads each slice the new engine asks for (a layer, a
+row chunk, a whole leaf) with every chunk's crc32c checked (`LeafReader`), and the engine's stores
+split it their own way. Memory stays at one slice, as when training.
+
+Example:
+    >>> source = CheckpointSource("runs/ckpt", program, plan)
+    >>> engine = Engine(program, source, tx, config, mesh)
+    >>> engine.step_count == source.step
+    True
 """
 
 from __future__ import annotations
 
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import CheckpointMismatchError
 from zinfjax.checkpoint.manager import latest_checkpoint
 from zinfjax.checkpoint.reader import LeafReader
-from zinfjax.checkpoint.snapshot import Part, parts_of
+from zinfjax.checkpoint.snapshot import leaf_name
+
+
+def expected_items(program, plan, params_dtype=np.float32) -> dict[str, dict[str, dict]]:
+    """The leaves (``{item: {name: {"shape", "dtype"}}}``) a checkpoint of this program and optimizer holds."""
+    params = {leaf_name(x.path): {"shape": list(x.shape), "dtype": np.dtype(params_dtype).name}
+              for x in program.leaves}
+    state = {leaf_name(s.path): {"shape": list(s.shape), "dtype": np.dtype(s.dtype).name} for s in plan.state}
+    return {"params": params, "opt_state": state}
 
 
 class CheckpointSource:
-    """The initial state of an `Engine`, read from a checkpoint instead of initialised.
+    """An engine's initial state read from a checkpoint, one slice at a time.
 
-    ``abstract`` is the run's parameter tree (shapes and dtypes; blocks stacked).
-
-    Example:
-        >>> source = CheckpointSource("runs/ckpt", jax.eval_shape(init, key))
-        >>> engine = Engine(model.layers(), source, tx, config, mesh, batch_shape)
-        >>> engine.step_count == source.step
-        True
+    Attributes:
+        directory: the checkpoint read.
+        step: the optimizer steps it had taken.
+        data_position: where the resumed run takes its next batch.
     """
 
-    def __init__(self, path: str, abstract):
+    def __init__(self, path: str, program, plan):
         self.directory = latest_checkpoint(path)
+        self.program, self.plan = program, plan
         self.meta = fmt.read_meta(self.directory)
-        self.abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), abstract)
         self.step = int(self.meta["step"])
         self.data_position = int(self.meta.get("data_position", self.step))
+        self.loss_scale = float(self.meta.get("loss_scale", 1.0))
+        self.loss_scale_good = int(self.meta.get("loss_scale_good", 0))
+        self.check()
         hint = f"restore an earlier step (zinfjax ckpt info {os.path.dirname(self.directory)} lists them)"
         self._reader = LeafReader(self.directory, self.meta["items"], hint)
 
-    def fill(self, engine) -> None:
-        """Writes the checkpoint's state into ``engine``'s (empty) stores, one layer at a time."""
-        parts = {(p.item, p.group): p for p in parts_of(engine)}
-        self.check(parts.values())
-        s = engine.stores
-        for g in s.params:
-            n = s.params[g].num_layers
-            for i in range(n):
-                master = self.read_layer(parts["params", g], i)
-                opt = self.read_layer(parts["opt_state", g], i)
-                compute = jax.tree.map(lambda x: jnp.asarray(x).astype(engine.compute_dtype), master)
-                s.params[g].write(i, compute)
-                s.opt[g].write(i, opt)
-                if s.master:
-                    s.master[g].write(i, master)
-            engine.stores.flush()
-        engine.step_count = self.step
-        engine.loss_scale.scale = float(self.meta.get("loss_scale", engine.loss_scale.scale))
-
-    def check(self, parts) -> None:
-        """Refuses a checkpoint whose leaves (names, shapes, dtypes) differ from the run's."""
+    def check(self) -> None:
+        """Refuses a checkpoint whose leaves (names, shapes) differ from the run's."""
+        if int(self.meta.get("format_version", 1)) != fmt.FORMAT_VERSION:
+            raise CheckpointMismatchError(
+                f"the checkpoint {self.directory} has format version {self.meta.get('format_version', 1)}; this "
+                f"zinfjax reads version {fmt.FORMAT_VERSION} (its parameters restore with plain orbax: "
+                "ocp.PyTreeCheckpointer().restore(<checkpoint>/params))")
         problems = []
-        for item in fmt.ITEMS:
+        for item, wanted in expected_items(self.program, self.plan).items():
             saved = self.meta["items"].get(item, {})
-            wanted = {leaf.name: leaf.meta for p in parts if p.item == item for leaf in p.leaves}
             problems += [f"{item}/{n}: missing from the checkpoint" for n in sorted(set(wanted) - set(saved))]
             problems += [f"{item}/{n}: in the checkpoint but not in this run" for n in sorted(set(saved) - set(wanted))]
             for n in sorted(set(saved) & set(wanted)):
-                a, b = saved[n], wanted[n]
-                if a["shape"] != b["shape"] or a["dtype"] != b["dtype"]:
-                    problems.append(f"{item}/{n}: checkpoint {a['dtype']}{a['shape']}, run {b['dtype']}{b['shape']}")
+                if list(saved[n]["shape"]) != wanted[n]["shape"]:
+                    problems.append(f"{item}/{n}: checkpoint {saved[n]['dtype']}{saved[n]['shape']}, run "
+                                    f"{wanted[n]['dtype']}{wanted[n]['shape']}")
         if problems:
             more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
             shown = "\n  ".join(problems[:20]) + more
@@ -81,10 +78,28 @@ class CheckpointSource:
                 f"({len(problems)} leaves differ):\n  {shown}\nrestore it with the model and optimizer it was "
                 "trained with (zinfjax ckpt info shows them), or start without restoring")
 
-    def read_layer(self, part: Part, i: int):
-        """Layer ``i`` of one store's leaves, whole, as numpy arrays in the store's tree."""
-        leaves = [self._read(part.item, leaf.name, i if part.group == "blocks" else None) for leaf in part.leaves]
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(part.store.like), leaves)
+    # ---- the source interface ------------------------------------------------------------------
 
-    def _read(self, item: str, name: str, layer: int | None) -> np.ndarray:
-        return self._reader.read(item, name, layer)
+    def params(self, group: str, i: int) -> list:
+        return [self._slice("params", leaf_name(x.path), x, i) for x in self.program.leaves_of(group)]
+
+    def state(self, group: str, i: int) -> list:
+        return [self._slice("opt_state", leaf_name(s.path), self.program.leaves[s.param], i)
+                for s in self.plan.state_of(group)]
+
+    def globals(self) -> list:
+        return [self._reader.read("opt_state", leaf_name(s.path), None) for s in self.plan.globals]
+
+    def _slice(self, item: str, name: str, leaf, i: int) -> np.ndarray:
+        """Slice ``i`` of a leaf as the engine's store holds it (a layer, a padded row chunk, or all of it)."""
+        stream = leaf.stream
+        if stream is None:
+            return self._reader.read(item, name, None)
+        if stream.rows == 0:
+            return self._reader.read(item, name, i)
+        rows = self._reader.read_rows(item, name, i * stream.rows, min((i + 1) * stream.rows, leaf.shape[0]))
+        pad = stream.rows - rows.shape[0]
+        return np.pad(rows, [(0, pad)] + [(0, 0)] * (rows.ndim - 1)) if pad else rows
+
+    def close(self) -> None:
+        self._reader.close()

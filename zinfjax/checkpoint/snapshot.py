@@ -18,7 +18,7 @@ import shutil
 import jax
 import numpy as np
 
-from zinfjax.checkpoint.format import key_path, leaf_metadata
+from zinfjax.checkpoint.format import leaf_metadata
 from zinfjax.store import chunkfile
 from zinfjax.store.manifest import fsync_dir
 from zinfjax.store.nvme import aligned_empty, shard_grid
@@ -26,45 +26,89 @@ from zinfjax.store.nvme import aligned_empty, shard_grid
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One leaf of a checkpoint item: its directory name, orbax key path and zarr metadata."""
+    """One leaf of a checkpoint item: its directory name, orbax key path and zarr metadata.
+
+    ``stacked``: the leaf is written one layer at a time (its chunks are layers).
+    """
 
     item: str
     name: str
     keypath: tuple
     meta: dict
+    stacked: bool = False
 
 
 @dataclasses.dataclass
 class Part:
-    """One store's share of a checkpoint: the item and group it fills, and its leaves."""
+    """One store's share of a checkpoint: its item, group and leaves (in the store's leaf order).
+
+    ``stream`` says how the store's slices map to the leaves' rows (None: whole leaves). A part
+    without a store holds ``arrays`` kept in memory (the optimizer's global state).
+    """
 
     item: str
     group: str
     store: object
     leaves: list[Leaf]
+    stream: object = None
+    arrays: list | None = None
+
+
+def leaf_name(path: str) -> str:
+    """A leaf's directory name in a checkpoint item: its key path with dots (``blocks.fc.kernel``)."""
+    return path.replace("/", ".")
+
+
+def _chunk_shape(lay, stream) -> tuple:
+    """The checkpoint chunk of a store leaf: one device shard of one slice (a layer keeps its axis of 1)."""
+    shard = tuple(lay.shard_shape)
+    return (1, *shard) if stream is not None and stream.rows == 0 else shard
+
+
+def _part(item: str, group: str, store, entries: list, stream) -> Part:
+    """A part whose store leaves are ``entries``: ``(store key, full shape, plain key path)``."""
+    by_key = {key: (shape, keys) for key, shape, keys in entries}
+    order = [path for path, _ in _store_keys(store)]
+    leaves = []
+    for key, lay in zip(order, store.layouts, strict=True):
+        shape, keys = by_key[key]
+        stacked = stream is not None and stream.rows == 0
+        leaves.append(Leaf(item, leaf_name(key), keys, leaf_metadata(shape, lay.dtype, _chunk_shape(lay, stream)),
+                           stacked))
+    return Part(item, group, store, leaves, stream)
+
+
+def _store_keys(store) -> list:
+    return [(str(path[0].key), x) for path, x in jax.tree_util.tree_flatten_with_path(store.like)[0]]
 
 
 def parts_of(engine) -> list[Part]:
-    """Every store a checkpoint holds: parameters (the fp32 masters, if any) and optimizer state."""
-    s = engine.stores
-    sources = [("params", s.master or s.params), ("opt_state", s.opt)]
-    return [Part(item, g, stores[g], leaves_of(stores[g], item, g)) for item, stores in sources for g in stores]
+    """Every part of a checkpoint: parameters (fp32 masters, if any), optimizer state by group, and its globals."""
+    program, plan, s = engine.program, engine.plan, engine.stores
+    params = s.master or s.params
+    parts = []
+    for g in program.groups.values():
+        leaves = program.leaves_of(g.name)
+        stream = leaves[0].stream
+        parts.append(_part("params", g.name, params[g.name], [(x.path, x.shape, x.keys) for x in leaves], stream))
+        state = plan.state_of(g.name)
+        if state:
+            parts.append(_part("opt_state", g.name, s.opt[g.name], [(x.path, x.shape, x.keys) for x in state], stream))
+    glob = [Leaf("opt_state", leaf_name(x.path), x.keys, leaf_metadata(x.shape, x.dtype, x.shape))
+            for x in plan.globals]
+    if glob:
+        parts.append(Part("opt_state", "globals", None, glob, None, [np.asarray(a) for a in engine.globals]))
+    return parts
 
 
-def leaves_of(store, item: str, group: str) -> list[Leaf]:
-    """The checkpoint leaves of a store: blocks keep their layer axis, embed and head drop theirs."""
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(store.like)[0]]
-    out = []
-    for path, lay in zip(paths, store.layouts, strict=True):
-        stacked = group == "blocks"
-        shape = (lay.num_layers, *lay.layer_shape) if stacked else lay.layer_shape
-        chunk = (1, *lay.shard_shape) if stacked else lay.shard_shape
-        out.append(Leaf(item, f"{group}.{lay.name}", key_path(group, path), leaf_metadata(shape, lay.dtype, chunk)))
-    return out
-
-
-def chunk_index(part: Part, i: int, grid: tuple[int, ...]) -> tuple[int, ...]:
-    return (i, *grid) if part.group == "blocks" else tuple(grid)
+def chunk_index(part: Part, i: int, grid: tuple[int, ...], shard_rows: int) -> tuple[int, ...]:
+    """The checkpoint chunk that holds slice ``i``'s shard at ``grid`` (grid over the slice's shape)."""
+    stream = part.stream
+    if stream is None:
+        return tuple(grid)
+    if stream.rows == 0:
+        return (i, *grid)
+    return (i * (stream.rows // shard_rows) + grid[0], *grid[1:])
 
 
 class Snapshot:
@@ -81,7 +125,9 @@ class Snapshot:
 
     def take(self, parts: list[Part]) -> Snapshot:
         for part in parts:
-            if part.store.tier == "nvme":
+            if part.store is None:
+                self.arrays.append((part, [part.arrays]))
+            elif part.store.tier == "nvme":
                 self._link(part)
             else:
                 self.arrays.append((part, part.store.snapshot()))
@@ -91,7 +137,9 @@ class Snapshot:
         store = part.store
         for i in range(store.num_layers):
             for k, shard, src in store.chunk_files(i):
-                dst = self._chunk(part, k, i, shard_grid(shard, store.layouts[k]))
+                lay = store.layouts[k]
+                dst = self._chunk(part, k, chunk_index(part, i, shard_grid(shard, lay), lay.shard_shape[0]
+                                                       if lay.shard_shape else 1))
                 if self.staged or not self._try_link(src, dst):
                     staged = os.path.join(self.staging, os.path.relpath(dst, self.root))
                     self._makedirs(os.path.dirname(staged))
@@ -115,9 +163,8 @@ class Snapshot:
         except FileExistsError:  # a shard replicated over processes: the first link serves all
             pass
 
-    def _chunk(self, part: Part, k: int, i: int, grid) -> str:
-        path = chunkfile.chunk_path(os.path.join(self.root, part.item, part.leaves[k].name),
-                                    chunk_index(part, i, grid))
+    def _chunk(self, part: Part, k: int, index) -> str:
+        path = chunkfile.chunk_path(os.path.join(self.root, part.item, part.leaves[k].name), index)
         self._makedirs(os.path.dirname(path))
         return path
 
@@ -148,10 +195,11 @@ class Snapshot:
             shutil.rmtree(self.staging, ignore_errors=True)
         self.arrays.clear()
 
-    def _write_array(self, part: Part, k: int, i: int, x: jax.Array) -> None:
+    def _write_array(self, part: Part, k: int, i: int, x) -> None:
         chunk = part.leaves[k].meta["chunk_shape"]
-        chunk = chunk[1:] if part.group == "blocks" else chunk
-        for shard in x.addressable_shards:
+        chunk = chunk[1:] if part.leaves[k].stacked else chunk
+        shards = x.addressable_shards if isinstance(x, jax.Array) else [_Whole(np.asarray(x))]
+        for shard in shards:
             if shard.replica_id != 0:
                 continue
             data = np.asarray(shard.data)
@@ -159,4 +207,17 @@ class Snapshot:
             nbytes = data.nbytes
             slot = aligned_empty((chunkfile.slot_bytes(nbytes),), np.uint8, chunkfile.BLOCK)
             slot[:nbytes] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-            chunkfile.write_chunks([(self._chunk(part, k, i, grid), slot, nbytes)], sync=True, atomic=True)
+            index = chunk_index(part, i, grid, chunk[0] if chunk else 1)
+            chunkfile.write_chunks([(self._chunk(part, k, index), slot, nbytes)], sync=True, atomic=True)
+
+
+@dataclasses.dataclass
+class _Whole:
+    """A host array as one shard of itself (the global optimizer state)."""
+
+    data: np.ndarray
+    replica_id: int = 0
+
+    @property
+    def index(self) -> tuple:
+        return tuple(slice(0, n) for n in self.data.shape)

@@ -9,6 +9,7 @@ Example:
     >>> leaves = expected_leaves(abstract_params, make_optimizer(config))
     >>> with CheckpointWriter("runs/converted", step=0, leaves=leaves, config=config, model=model_config) as w:
     ...     w.write("params", "blocks.fc.kernel", 3, fc_kernel_of_layer_3)
+    ...     w.write("opt_state", "0.count", None, np.int32(0))
     ...     ...
     >>> zinfjax.wrap(train_state, config, restore="runs/converted")
 """
@@ -26,38 +27,48 @@ import numpy as np
 
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import CheckpointError
-from zinfjax.checkpoint.snapshot import Leaf
+from zinfjax.checkpoint.snapshot import Leaf, leaf_name
+from zinfjax.program.optimizer import owner_of
+from zinfjax.program.split import path_str, plain_keys
 from zinfjax.store import chunkfile
-from zinfjax.store.layout import leaf_names
 from zinfjax.store.nvme import aligned_empty
 
-GROUPS = ("embed", "blocks", "head")
+
+def stacked_blocks(path: str) -> bool:
+    """The reference models' layout: leaves under ``blocks/`` are stacked on a layer axis."""
+    return path.startswith("blocks/")
 
 
-def expected_leaves(abstract_params, tx) -> dict[str, dict[str, Leaf]]:
-    """Every leaf a checkpoint of these parameters (blocks stacked) and this optax transformation holds.
+def expected_leaves(abstract_params, tx, stacked=stacked_blocks) -> dict[str, dict[str, Leaf]]:
+    """Every leaf a checkpoint of these parameters and this optax transformation holds.
 
-    Parameters are fp32 (the master weights); the optimizer state is ``tx.init`` of each group,
-    per layer for blocks, as the engine keeps it. Chunks are whole layers.
+    Parameters are fp32 (the master weights); the optimizer state is ``tx.init`` of the whole tree.
+    A leaf whose path ``stacked`` accepts (and each state leaf of such a leaf, with its layer axis)
+    is written one layer at a time; every other leaf whole.
 
     Example:
-        >>> expected_leaves(abstract, optax.adamw(1e-3))["opt_state"]["blocks.0.mu.fc.kernel"].meta["shape"]
+        >>> expected_leaves(abstract, optax.adamw(1e-3))["opt_state"]["0.mu.blocks.fc.kernel"].meta["shape"]
         [4, 64, 256]
     """
-    from zinfjax.engine.stores import opt_like
-
     f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.float32), abstract_params)
-    trees = {"params": {g: f32[g] for g in GROUPS}, "opt_state": opt_like(tx, f32)}
-    out: dict[str, dict[str, Leaf]] = {}
-    for item, groups in trees.items():
-        out[item] = {}
-        for g in GROUPS:
-            paths = jax.tree_util.tree_flatten_with_path(groups[g])[0]
-            for (path, x), name in zip(paths, leaf_names(groups[g]), strict=True):
-                chunk = (1, *x.shape[1:]) if g == "blocks" else x.shape
-                leaf = Leaf(item, f"{g}.{name}", fmt.key_path(g, path), fmt.leaf_metadata(x.shape, x.dtype, chunk))
-                out[item][leaf.name] = leaf
+    params = [(path_str(p), plain_keys(p), x) for p, x in jax.tree_util.tree_flatten_with_path(f32)[0]]
+    layers = {path: x.shape[0] for path, _, x in params if stacked(path)}
+    state = jax.eval_shape(tx.init, f32)
+    out: dict[str, dict[str, Leaf]] = {"params": {}, "opt_state": {}}
+    for path, keys, x in params:
+        out["params"][leaf_name(path)] = _leaf("params", path, keys, x, path in layers)
+    all_paths = [path for path, _, _ in params]
+    for p, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        path = path_str(p)
+        owner = owner_of(path, all_paths)
+        by_layer = owner in layers and np.ndim(x) >= 1 and np.shape(x)[0] == layers[owner]
+        out["opt_state"][leaf_name(path)] = _leaf("opt_state", path, plain_keys(p), x, by_layer)
     return out
+
+
+def _leaf(item: str, path: str, keys: tuple, x, by_layer: bool) -> Leaf:
+    chunk = (1, *x.shape[1:]) if by_layer else x.shape
+    return Leaf(item, leaf_name(path), keys, fmt.leaf_metadata(x.shape, x.dtype, chunk), by_layer)
 
 
 class CheckpointWriter:
@@ -78,8 +89,11 @@ class CheckpointWriter:
         self.bytes_written = 0
 
     def write(self, item: str, name: str, layer: int | None, array) -> None:
-        """Writes one leaf's ``layer`` (blocks) or the whole leaf (``layer=None``: embed and head)."""
+        """Writes one layer of a stacked leaf (``leaf.stacked``), or a whole leaf (``layer=None``)."""
         leaf = self._leaf(item, name)
+        if (layer is not None) != leaf.stacked:
+            how = "stacked: write it layer by layer" if leaf.stacked else "not stacked: write it whole (layer=None)"
+            raise CheckpointError(f"{item}/{name} is {how}")
         array = np.asarray(array)
         want = leaf.meta["shape"][1:] if layer is not None else leaf.meta["shape"]
         if list(array.shape) != want or array.dtype != np.dtype(leaf.meta["dtype"]):
@@ -108,7 +122,7 @@ class CheckpointWriter:
         out = []
         for item, leaves in self.leaves.items():
             for name, leaf in leaves.items():
-                layers = range(leaf.meta["shape"][0]) if name.startswith("blocks.") else [None]
+                layers = range(leaf.meta["shape"][0]) if leaf.stacked else [None]
                 out += [f"{item}/{name}" + ("" if i is None else f"[{i}]") for i in layers
                         if (item, name, i) not in self._written]
         return out
@@ -132,7 +146,7 @@ class CheckpointWriter:
             return sum(int(np.prod(leaf.meta["shape"])) * np.dtype(leaf.meta["dtype"]).itemsize
                        for leaf in self.leaves[item].values())
 
-        blocks = [leaf for leaf in self.leaves["params"].values() if leaf.name.startswith("blocks.")]
+        blocks = [leaf for leaf in self.leaves["params"].values() if leaf.stacked]
         config = self.config.to_dict() if self.config is not None else {}
         return {
             "format_version": fmt.FORMAT_VERSION, "step": self.step, "data_position": self.data_position,

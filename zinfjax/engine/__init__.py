@@ -1,6 +1,6 @@
-"""The ZeRO-Infinity engine: a prefetching per-layer scan with every part of the state on a tier."""
+"""The ZeRO-Infinity engine: a program's stages streamed one layer at a time, every part of the state on a tier."""
 
-from zinfjax.engine.engine import Engine
-from zinfjax.engine.update import NotElementwiseError, check_elementwise
+from zinfjax.engine.engine import BatchError, Engine, LossScale, update_plan
+from zinfjax.engine.source import TreeSource
 
-__all__ = ["Engine", "NotElementwiseError", "check_elementwise"]
+__all__ = ["BatchError", "Engine", "LossScale", "TreeSource", "update_plan"]

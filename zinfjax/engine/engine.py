@@ -35,10 +35,11 @@ from jax.sharding import PartitionSpec as P
 from zinfjax import allocator
 from zinfjax.config import Config
 from zinfjax.engine import progress
+from zinfjax.engine.budget import plan_budget
 from zinfjax.engine.placement import Placement
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.engine.source import unslice
-from zinfjax.engine.stores import acts_spec, build_stores, plan_stores
+from zinfjax.engine.stores import acts_spec, budget_needs, build_stores, dir_name, plan_stores
 from zinfjax.engine.telemetry import StepTelemetry
 from zinfjax.engine.units import Units
 from zinfjax.errors import UserError
@@ -78,11 +79,18 @@ class LossScale:
 
 
 @functools.lru_cache(maxsize=32)
-def compiled(program: Program, tx: optax.GradientTransformation, rules: ShardingRules, mesh: Mesh, compute_dtype):
+def compiled(program: Program, tx: optax.GradientTransformation, rules: ShardingRules, mesh: Mesh, compute_dtype,
+             micro: int = 1):
     """The placement, stage functions, update plan and unit functions of one layout (shared by its engines)."""
     placement = Placement(program, rules, mesh)
-    plan = UpdatePlan(tx, program)
-    return placement, StageFunctions(program, placement), plan, Units(program, plan, compute_dtype, placement)
+    plan = update_plan(tx, program)
+    return placement, StageFunctions(program, placement, micro), plan, Units(program, plan, compute_dtype, placement)
+
+
+@functools.lru_cache(maxsize=32)
+def update_plan(tx: optax.GradientTransformation, program: Program) -> UpdatePlan:
+    """``tx`` cut into per-unit functions for ``program`` (see `UpdatePlan`), shared by the engines of both."""
+    return UpdatePlan(tx, program)
 
 
 @dataclasses.dataclass(eq=False)
@@ -111,7 +119,8 @@ class Engine:
         self.program, self.config, self.mesh, self.tx = program, config, mesh, tx
         self.compute_dtype = COMPUTE_DTYPES[config.precision]
         self.rules = ShardingRules.for_mesh(mesh, config.stage, tp_rules, threshold)
-        self.placement, self.fns, self.plan, self.units = compiled(program, tx, self.rules, mesh, self.compute_dtype)
+        self.placement, self.fns, self.plan, self.units = compiled(program, tx, self.rules, mesh, self.compute_dtype,
+                                                                  config.grad_accum)
         self.loss_scale = LossScale(config.precision == "fp16")
         self.spool = self.plan.sweeps > 1 or config.precision == "fp16"
         self.micro = config.grad_accum
@@ -120,9 +129,14 @@ class Engine:
         spooled = set(program.groups) if self.spool else set(self._tied)
         specs = plan_stores(config, program, self.plan, self.placement, self.compute_dtype, spooled)
         acts = {s.position: acts_spec(config, s, self.placement, self.micro) for s in program.scans()}
+        read, write, resident = budget_needs(specs, list(acts.values()), mesh.devices.flat[0].platform)
+        self.budget = plan_budget(config, read, write, resident)
+        self.config = config = config.replace(prefetch_depth=self.budget.prefetch_depth,
+                                              host_buffer_bytes=self.budget.host_buffer_bytes)
         self.step_count = int(getattr(source, "step", 0))
         self.tracer = None  # a zinfjax.engine.trace.Tracer while one is attached
         self._writes: collections.deque = collections.deque()
+        self._computing: collections.deque = collections.deque()  # outputs of stage functions not yet waited on
         self._max_writes = WRITES_PER_LAYER * max(2, config.prefetch_depth)
         self._telemetry: StepTelemetry | None = None
         self._steps_run = 0
@@ -186,8 +200,9 @@ class Engine:
                 if state_paths:
                     self._write("fill", s.opt[g.name], i, dict(zip(state_paths, state, strict=True)))
             s.flush()
-        if getattr(source, "loss_scale", None) is not None:
+        if self.loss_scale.enabled and getattr(source, "loss_scale", None) is not None:
             self.loss_scale.scale = float(source.loss_scale)
+            self.loss_scale.good = int(getattr(source, "loss_scale_good", 0))
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -201,6 +216,7 @@ class Engine:
             op.run(results)
         telemetry.add_reads(reads)
         skipped = step.finish_update(telemetry)
+        self._computing.clear()
         loss = float(jnp.mean(step.loss))
         self.stores.flush()
         self.step_count += 0 if skipped else 1
@@ -242,12 +258,19 @@ class Engine:
         return jax.vmap(lambda a: jax.random.fold_in(key, a))(jnp.arange(self.micro))
 
     def _run(self, name: str, layer: int, fn, *args):
-        """``fn(*args)``, dispatched asynchronously; an attached tracer gets the dispatch time and the result."""
-        if self.tracer is None:
-            return fn(*args)
+        """``fn(*args)``, dispatched asynchronously; an attached tracer gets the dispatch time and the result.
+
+        JAX's dispatch does not wait for compute, and reads that finish early would let this loop queue
+        every layer's computation at once, each holding its inputs. So at most ``prefetch_depth + 1``
+        computations are in flight: beyond that, it waits for the oldest (docs/design.md, invariant 2).
+        """
         t0 = time.perf_counter()
         out = fn(*args)
-        self.tracer.compute(name, layer, t0, out)
+        if self.tracer is not None:
+            self.tracer.compute(name, layer, t0, out)
+        self._computing.append(out)
+        while len(self._computing) > self.config.prefetch_depth + 1:
+            jax.block_until_ready(self._computing.popleft())
         return out
 
     def _write(self, track: str, store, i: int, tree) -> None:
@@ -328,7 +351,7 @@ class _Step:
 
     def _param_reads(self, leaves, i: int) -> tuple[list, list]:
         groups = sorted({self.p.leaves[k].group for k in leaves})
-        return groups, [Read(f"params_{g}", self._store("params", g), i) for g in groups]
+        return groups, [Read(track("params", g), self._store("params", g), i) for g in groups]
 
     def _update_reads(self, group: str, i: int) -> list:
         """What a fused update of unit ``i`` needs beyond what the backward read: opt (and master)."""
@@ -336,9 +359,9 @@ class _Step:
             return []
         reads = []
         if self.e.plan.state_of(group):
-            reads.append(Read(f"opt_{group}", self._store("opt", group), i))
+            reads.append(Read(track("opt", group), self._store("opt", group), i))
         if self.e.stores.master:
-            reads.append(Read(f"master_{group}", self._store("master", group), i))
+            reads.append(Read(track("master", group), self._store("master", group), i))
         return reads
 
     def _values(self, leaves, groups, trees) -> dict:
@@ -353,7 +376,8 @@ class _Step:
 
             def run(trees, stage=stage, groups=groups):
                 params = self._values(stage.params, groups, trees)
-                outs = self.e._run("whole_fwd", stage.position, self.e.fns.whole_fwd(stage.position), params,
+                fwd = self.e.fns.whole_fwd(stage.position)
+                outs = self.e._run(f"{label(self.p, stage)}_fwd", stage.position, fwd, params,
                                    [self.env[v] for v in stage.inputs])
                 self.env.update(zip(stage.outputs, outs, strict=True))
                 if self.p.loss_var in stage.outputs:
@@ -366,9 +390,11 @@ class _Step:
         a = self.e.micro
         out = []
         for kind, what in stage.carry_init:
-            value = {"var": lambda: self.env[what], "param": lambda: params[what],
-                     "literal": lambda: jnp.asarray(what)}[kind]()
-            out.append(value if kind == "var" else jnp.broadcast_to(value, (a, *np.shape(value))))
+            if kind == "var":
+                out.append(self.env[what])
+                continue
+            value = params[what] if kind == "param" else jnp.asarray(what)
+            out.append(jnp.broadcast_to(value, (a, *np.shape(value))))
         return out
 
     def _scan_forward(self, stage) -> list[Op]:
@@ -387,12 +413,14 @@ class _Step:
 
             def run(trees, i=i, s_groups=s_groups):
                 slices = self._values(stage.streams, s_groups, trees)
-                self.e._write("acts", acts, i, {f"carry{j}": c for j, c in enumerate(state["carry"])})
+                carry = {f"carry{j}": c for j, c in enumerate(state["carry"])}
+                self.e._write(f"acts_{label(self.p, stage)}", acts, i, carry)
                 self.written.add((stage.position, i))
                 ins = [self.env[v] for v in stage.const_vars]
                 xs = [self.env[v][:, i] for v in stage.xs_vars]
-                state["carry"], state["ys"][i] = self.e._run("scan_fwd", i, self.e.fns.scan_fwd(stage.position),
-                                                             state["params"], slices, ins, state["carry"], xs)
+                fwd = self.e.fns.scan_fwd(stage.position)
+                state["carry"], state["ys"][i] = self.e._run(f"{label(self.p, stage)}_fwd", i, fwd, state["params"],
+                                                             slices, ins, state["carry"], xs)
 
             ops.append(Op("scan_fwd", i, s_reads, run))
 
@@ -441,7 +469,8 @@ class _Step:
         def run(trees, stage=stage, groups=groups, done=done):
             params = self._values(stage.params, groups, trees[: len(groups)])
             d_outs = [self._cotangent(v) for v in stage.outputs]
-            d_params, d_ins = self.e._run("whole_bwd", stage.position, self.e.fns.whole_bwd(stage.position), params,
+            bwd = self.e.fns.whole_bwd(stage.position)
+            d_params, d_ins = self.e._run(f"{label(self.p, stage)}_bwd", stage.position, bwd, params,
                                           [self.env[v] for v in stage.inputs], d_outs)
             self._add_grads(d_params)
             for v, c in zip(stage.inputs, d_ins, strict=True):
@@ -466,12 +495,12 @@ class _Step:
         ops = [Op("scan_bwd_begin", stage.position, reads, begin)]
         for i in reversed(stage.order()):
             s_groups, s_reads = self._param_reads(stage.streams, i)
-            act = Read("acts", acts, i, ready=lambda i=i: (stage.position, i) in self.written)
+            act = Read(f"acts_{label(self.p, stage)}", acts, i, ready=lambda i=i: (stage.position, i) in self.written)
             extra = []
             for g in owned:
                 extra += self._update_reads(g.name, i)
                 if g.name in self.e._tied:
-                    extra.append(Read(f"grads_{g.name}", self._store("grads", g.name), i,
+                    extra.append(Read(track("grads", g.name), self._store("grads", g.name), i,
                                       ready=lambda g=g, i=i: ("grads", g.name, i) in self.written))
             ops.append(Op("scan_bwd", i, s_reads + [act] + extra,
                           functools.partial(self._scan_step, stage, state, i, s_groups, owned)))
@@ -489,7 +518,7 @@ class _Step:
 
         ops.append(Op("scan_bwd_end", stage.position, [], end))
         if done:
-            reads = [Read(f"params_{g.name}", self._store("params", g.name), 0) for g in done]
+            reads = [Read(track("params", g.name), self._store("params", g.name), 0) for g in done]
             reads += [r for g in done for r in self._update_reads(g.name, 0)]
             ops.append(Op("update_whole", stage.position, reads,
                           lambda trees: self._finish_whole(done, dict(zip([g.name for g in done],
@@ -510,8 +539,8 @@ class _Step:
                 zero_cotangent(jax.ShapeDtypeStruct((self.e.micro, *v.aval.shape[1:]), v.aval.dtype))
                 for v in outvars]
         d_params, d_slices, d_ins, state["d_carry"], d_xs = self.e._run(
-            "scan_bwd", i, self.e.fns.scan_bwd(stage.position), state["params"], slices, ins, carry, xs,
-            state["d_carry"], d_ys)
+            f"{label(self.p, stage)}_bwd", i, self.e.fns.scan_bwd(stage.position), state["params"], slices, ins,
+            carry, xs, state["d_carry"], d_ys)
         for k, g in d_params.items():
             state["d_params"][k] = state["d_params"][k] + g if k in state["d_params"] else g
         if state["d_ins"] is None:
@@ -537,14 +566,15 @@ class _Step:
     def _contribute(self, group: str, i: int, grads: dict) -> None:
         """A later scan's share of a tied parameter's gradient, spooled for its owner's backward."""
         store = self._store("grads", group)
-        self.e._write(f"grads_{group}", store, i, {p: g.astype(jnp.float32) for p, g in grads.items()})
+        self.e._write(track("grads", group), store, i, {p: g.astype(jnp.float32) for p, g in grads.items()})
         self.written.add(("grads", group, i))
 
     def _unused(self) -> list[Op]:
         unused = [g for g in self.p.groups.values() if g.name == "w:unused"]
         if not unused:
             return []
-        reads = [Read("params_w:unused", self._store("params", "w:unused"), 0)] + self._update_reads("w:unused", 0)
+        reads = [Read(track("params", "w:unused"), self._store("params", "w:unused"), 0)]
+        reads += self._update_reads("w:unused", 0)
         return [Op("update_unused", 0, reads, lambda trees: self._finish_whole(
             unused, {"w:unused": trees[0]}, trees[1:]))]
 
@@ -566,7 +596,7 @@ class _Step:
         paths = [leaf.path for leaf in self.p.leaves_of(group)]
         if e.spool:
             spooled, finite = e.units.spool(group)(grads)
-            e._write(f"grads_{group}", self._store("grads", group), i, dict(zip(paths, spooled, strict=True)))
+            e._write(track("grads", group), self._store("grads", group), i, dict(zip(paths, spooled, strict=True)))
             self.finite.append(finite)
             return
         has_state = bool(e.plan.state_of(group))
@@ -579,19 +609,19 @@ class _Step:
                grad_div) -> None:
         e = self.e
         fn = e.units.update(group, sweep, e.units.size(group, i))
-        partials, compute, master, state = e._run("update", i, fn, master, grads, state, e.globals, totals,
-                                                  e.units.start(group, i), grad_div)
+        partials, compute, master, state = e._run(f"update_{dir_name(group)}", i, fn, master, grads, state,
+                                                  e.globals, totals, e.units.start(group, i), grad_div)
         for c, value in zip(e.plan.crosses_of(group, sweep), partials, strict=True):
             self.partials.setdefault(c.eqn.outvars[0], []).append(value)
         if sweep < e.plan.sweeps - 1:
             return
         paths = [leaf.path for leaf in self.p.leaves_of(group)]
-        e._write(f"params_{group}", self._store("params", group), i, dict(zip(paths, compute, strict=True)))
+        e._write(track("params", group), self._store("params", group), i, dict(zip(paths, compute, strict=True)))
         if e.stores.master:
-            e._write(f"master_{group}", self._store("master", group), i, dict(zip(paths, master, strict=True)))
+            e._write(track("master", group), self._store("master", group), i, dict(zip(paths, master, strict=True)))
         state_paths = [s.path for s in e.plan.state_of(group)]
         if state_paths:
-            e._write(f"opt_{group}", self._store("opt", group), i, dict(zip(state_paths, state, strict=True)))
+            e._write(track("opt", group), self._store("opt", group), i, dict(zip(state_paths, state, strict=True)))
 
     def finish_update(self, telemetry) -> bool:
         """After the backward pass: the sweeps (when spooled) and the global state; whether the step was skipped."""
@@ -618,10 +648,10 @@ class _Step:
         source = "master" if e.stores.master else "params"
         groups = []
         for g, i in units:
-            reads = [Read(f"{source}_{g.name}", self._store(source, g.name), i),
-                     Read(f"grads_{g.name}", self._store("grads", g.name), i)]
+            reads = [Read(track(source, g.name), self._store(source, g.name), i),
+                     Read(track("grads", g.name), self._store("grads", g.name), i)]
             if e.plan.state_of(g.name):
-                reads.append(Read(f"opt_{g.name}", self._store("opt", g.name), i))
+                reads.append(Read(track("opt", g.name), self._store("opt", g.name), i))
             groups.append(reads)
         reads = ReadAhead(groups, e.config.prefetch_depth)
         grad_div = jnp.float32(e.loss_scale.value)
@@ -631,6 +661,20 @@ class _Step:
             self._apply(g.name, i, [trees[0][p] for p in paths], [trees[1][p] for p in paths], state, sweep, totals,
                         grad_div)
         telemetry.add_reads(reads)
+
+
+def track(kind: str, group: str) -> str:
+    """The telemetry track of a store: ``params_blocks``, ``opt_embed.wte.embedding``."""
+    return f"{kind}_{dir_name(group)}"
+
+
+def label(program: Program, stage) -> str:
+    """A stage's name in traces: the group a scan owns (``blocks``), else ``stage<position>``."""
+    if stage.kind == "scan":
+        owned = [g for g in program.streamed_groups() if g.position == stage.position]
+        if owned:
+            return dir_name(owned[0].name)
+    return f"stage{stage.position}"
 
 
 def data_sharding(mesh: Mesh) -> NamedSharding:

@@ -18,43 +18,59 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zinfjax.engine.stores import GROUPS, opt_like
-from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, path_str, shard_shape
+from zinfjax.program.optimizer import owner_of
+from zinfjax.program.split import path_str
+from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, shard_shape
+
+
+def stacked_blocks(path: str) -> bool:
+    """The reference models' layout: leaves under ``blocks/`` are stacked on a layer axis."""
+    return path.startswith("blocks/")
 
 
 def _cast(tree, dtype):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), tree)
 
 
-def group_bytes(rules: ShardingRules, kind: str, group: str, tree) -> int:
-    """Bytes one device holds of ``tree`` (a whole group of ``kind``, stacked for ``blocks``).
+def leaf_bytes(rules: ShardingRules, kind: str, path: str, x, layers: int) -> int:
+    """Bytes one device holds of leaf ``x`` of ``kind`` at ``path``: ``layers`` slices along axis 0, or whole (1).
 
     Example:
-        >>> group_bytes(ShardingRules(stage=3, data=8), "params", "blocks", abstract["blocks"])
+        >>> leaf_bytes(ShardingRules(stage=3, data=8), "params", "blocks/fc/kernel", kernel, layers=12)
     """
+    shape = tuple(x.shape[1:]) if layers else tuple(x.shape)
     axes = {"data": rules.data, "model": rules.model}
-    total = 0
-    for path, x in jax.tree_util.tree_leaves_with_path(tree):
-        layers, shape = (x.shape[0], tuple(x.shape[1:])) if group == "blocks" else (1, tuple(x.shape))
-        spec = rules.spec(kind, f"{group}/{path_str(path)}", shape)
-        total += layers * math.prod(shard_shape(shape, spec, axes)) * np.dtype(x.dtype).itemsize
-    return total
+    spec = rules.spec(kind, path, shape)
+    return max(layers, 1) * math.prod(shard_shape(shape, spec, axes)) * np.dtype(x.dtype).itemsize
 
 
-def state_bytes(abstract, tx: optax.GradientTransformation, rules: ShardingRules,
-                compute_dtype=jnp.float32) -> dict[str, int]:
+def state_bytes(abstract, tx: optax.GradientTransformation, rules: ShardingRules, compute_dtype=jnp.float32,
+                stacked=stacked_blocks) -> dict[str, int]:
     """Bytes one device holds of each kind of model state: params, grads, opt (and master under mixed precision).
 
-    Gradients are counted in float32, as the engine's gradient tier holds them.
+    Leaves whose path ``stacked`` accepts are sharded per layer; gradients are counted in float32,
+    as the engine's gradient tier holds them.
 
     Example:
         >>> state_bytes(abstract, optax.adamw(1e-3), ShardingRules(stage=2, data=8))["grads"]
     """
-    likes = {"params": _cast(abstract, compute_dtype), "grads": _cast(abstract, jnp.float32),
-             "opt": opt_like(tx, abstract)}
+    f32 = _cast(abstract, jnp.float32)
+    params = [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(f32)[0]]
+    layers = {path: x.shape[0] for path, x in params if stacked(path)}
+    kinds = {"params": compute_dtype, "grads": jnp.float32}
     if compute_dtype != jnp.float32:
-        likes["master"] = _cast(abstract, jnp.float32)
-    return {kind: sum(group_bytes(rules, kind, g, like[g]) for g in GROUPS) for kind, like in likes.items()}
+        kinds["master"] = jnp.float32
+    out = {kind: sum(leaf_bytes(rules, kind, path, jax.ShapeDtypeStruct(x.shape, dtype), layers.get(path, 0))
+                     for path, x in params) for kind, dtype in kinds.items()}
+    paths = [path for path, _ in params]
+    total = 0
+    for p, x in jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, f32))[0]:
+        path = path_str(p)
+        owner = owner_of(path, paths)
+        n = layers[owner] if owner in layers and np.ndim(x) and np.shape(x)[0] == layers[owner] else 0
+        total += leaf_bytes(rules, "opt", path, x, n)
+    out["opt"] = total
+    return out
 
 
 def zero_formula(stage: int, psi: int, n: int, p: int = 4, g: int = 4, k: int = 8) -> float:
@@ -73,10 +89,9 @@ def zero_formula(stage: int, psi: int, n: int, p: int = 4, g: int = 4, k: int = 
 def abstract_params(model_name: str):
     """The abstract parameters of a named model (``jax.eval_shape``, nothing allocated)."""
     from zinfjax import models
+    from zinfjax.models.stacked import lm_init
 
-    model = models.build(model_name)
-    tokens = jnp.zeros((1, 8), jnp.int32)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
+    return jax.eval_shape(lm_init(models.build(model_name)), jax.random.key(0))
 
 
 PRECISIONS = {  # compute dtype, and ZeRO's bytes per parameter: p params, g grads, K optimizer (+ master)

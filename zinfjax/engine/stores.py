@@ -153,6 +153,25 @@ def acts_spec(config: Config, scan, placement, grad_accum: int) -> StoreSpec:
     return StoreSpec("acts", f"s:scan{scan.position}", config.activations, like)
 
 
+def slice_bytes(spec: StoreSpec) -> int:
+    """Bytes of one slice of a store (every leaf, every shard)."""
+    return sum(int(np.prod(x.shape[1:])) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(spec.like))
+
+
+def budget_needs(specs: list[StoreSpec], acts: list[StoreSpec], platform: str) -> tuple[int, int, int]:
+    """``(read, write, resident)`` bytes for the memory budget: the largest operation's reads (a group's
+    slices of every kind and an activation), the largest slice staged for a write, and the state held
+    whole in host memory (the host tier, and the device tier where the device is the host)."""
+    per_group: dict[str, int] = {}
+    for spec in specs:
+        per_group[spec.group] = per_group.get(spec.group, 0) + slice_bytes(spec)
+    read = max(per_group.values(), default=0) + max((slice_bytes(a) for a in acts), default=0)
+    write = max((staging_bytes(s.like) for s in specs + acts if s.tier == "nvme"), default=0)
+    in_memory = ("host", "device") if platform == "cpu" else ("host",)
+    resident = sum(_nbytes(s.like) for s in specs + acts if s.tier in in_memory)
+    return read, write, resident
+
+
 def _nbytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 

@@ -252,15 +252,15 @@ def write_trace(events: list[TraceEvent], path: str) -> tuple[str, str]:
 
 # ---- drawing ---------------------------------------------------------------------------------
 
-_COMPUTE_COLORS = {"embed_fwd": "tab:green", "block_fwd": "tab:green", "head": "tab:olive",
-                   "block_bwd": "tab:blue", "embed_bwd": "tab:blue", "update": "tab:purple"}
+_COMPUTE_COLORS = {"fwd": "tab:green", "bwd": "tab:blue", "update": "tab:purple"}
 _KIND_COLORS = {"step": "0.75", "read": "tab:orange", "write": "tab:red"}
 
 
 def _color(e: TraceEvent) -> str:
     if e.kind != "compute":
         return _KIND_COLORS[e.kind]
-    return _COMPUTE_COLORS.get(e.name.split("_")[0] if e.name.startswith("update") else e.name, "tab:cyan")
+    kind = "update" if e.name.startswith("update") else e.name.rsplit("_", 1)[-1]
+    return _COMPUTE_COLORS.get(kind, "tab:cyan")
 
 
 def draw_timeline(events: list[TraceEvent], path: str, title: str | None = None) -> str:

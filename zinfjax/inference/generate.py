@@ -61,7 +61,7 @@ class Generator:
         if self.dec is None:
             raise ConfigError(f"a {model_config.arch} model is an encoder and cannot generate; use a causal LM "
                               "(gpt2, llama)")
-        self.config, self.params, self.batch, self.max_len = config, params, batch, max_len
+        self.config, self.params, self.batch, self.max_len = params.config, params, batch, max_len
         self.num_layers = params.num_layers("blocks")
         layer = self.dec.cache_like(batch, max_len)
         like = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.num_layers, *x.shape), x.dtype), layer)

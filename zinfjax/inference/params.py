@@ -20,6 +20,7 @@ from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import CheckpointError
 from zinfjax.checkpoint.manager import latest_checkpoint
 from zinfjax.config import Config
+from zinfjax.engine.budget import with_defaults
 from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.engine.stores import SCRATCH_NVME
 from zinfjax.models import ModelConfig
@@ -56,7 +57,7 @@ class ParamStores:
     """
 
     def __init__(self, abstract, config: Config, name: str = "infer"):
-        self.config = config
+        self.config = config = with_defaults(config)
         self.dtype = COMPUTE_DTYPES[config.precision]
         self.pool = BufferPool(config.host_buffer_bytes)
         self.stores = {}

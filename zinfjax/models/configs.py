@@ -32,6 +32,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     type_vocab_size: int = 2  # bert: token types (segments)
+    vocab_chunks: int = 0  # row chunks the vocabulary table streams in; 0: about 8 MiB each (models/vocab.py)
 
     @property
     def head_dim(self) -> int:
@@ -40,6 +41,13 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def chunks(self) -> int:
+        """The row chunks of the vocabulary table: ``vocab_chunks``, or a count that keeps each about 8 MiB."""
+        from zinfjax.models.vocab import vocab_chunks
+
+        return self.vocab_chunks or vocab_chunks(self.vocab_size, self.d_model)
 
     @staticmethod
     def named(name: str) -> ModelConfig:

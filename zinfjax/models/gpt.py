@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from zinfjax.models.attention import cached_attention, causal_attention
 from zinfjax.models.configs import ModelConfig
-from zinfjax.models.layered import cross_entropy
 from zinfjax.models.stacked import StackedLM
+from zinfjax.models.vocab import VocabTable, cross_entropy, lookup
 
 Dtype = Any
 normal = nn.initializers.normal
@@ -37,10 +37,10 @@ class Embed(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
         c = self.config
-        wte = nn.Embed(c.vocab_size, c.d_model, embedding_init=normal(0.02), name="wte")
+        wte = VocabTable(c.vocab_size, c.d_model, name="wte")()
         wpe = nn.Embed(c.max_seq_len, c.d_model, embedding_init=normal(0.01), name="wpe")
         positions = (offset + jnp.arange(tokens.shape[1]))[None]
-        return (wte(tokens) + wpe(positions)).astype(self.dtype)
+        return (lookup(wte, tokens, c.chunks) + wpe(positions)).astype(self.dtype)
 
 
 class Block(nn.Module):
@@ -74,7 +74,7 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final LayerNorm and the tied output projection; returns the loss, or logits without targets."""
+    """Final LayerNorm and the tied output projection; returns the loss (over vocabulary chunks), or logits."""
 
     config: ModelConfig
     dtype: Dtype = jnp.float32
@@ -83,8 +83,9 @@ class Head(nn.Module):
     def __call__(self, h: jax.Array, embed_params: Any, targets: jax.Array | None = None) -> jax.Array:
         h = nn.LayerNorm(epsilon=self.config.norm_eps, dtype=self.dtype, name="ln_f")(h)
         wte = embed_params["wte"]["embedding"]
-        logits = jnp.einsum("btd,vd->btv", h, wte.astype(self.dtype))
-        return logits if targets is None else cross_entropy(logits, targets)
+        if targets is None:
+            return jnp.einsum("btd,vd->btv", h, wte.astype(self.dtype))
+        return cross_entropy(h, wte, targets, self.config.chunks, self.dtype)
 
 
 # Megatron tensor parallelism over the ``model`` axis: q, k, v and fc are column-parallel (split

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 from zinfjax.models.attention import cached_attention, causal_attention
 from zinfjax.models.configs import ModelConfig
-from zinfjax.models.layered import cross_entropy
 from zinfjax.models.stacked import StackedLM
+from zinfjax.models.vocab import VocabTable, cross_entropy, lookup
 
 Dtype = Any
 normal = nn.initializers.normal
@@ -45,8 +45,8 @@ class Embed(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, offset: Any = 0) -> jax.Array:
         c = self.config
-        wte = nn.Embed(c.vocab_size, c.d_model, embedding_init=normal(0.02), name="wte")
-        return wte(tokens).astype(self.dtype)
+        wte = VocabTable(c.vocab_size, c.d_model, name="wte")()
+        return lookup(wte, tokens, c.chunks).astype(self.dtype)
 
 
 class Block(nn.Module):
@@ -83,14 +83,12 @@ class Head(nn.Module):
     def __call__(self, h: jax.Array, embed_params: Any, targets: jax.Array | None = None) -> jax.Array:
         c = self.config
         h = nn.RMSNorm(epsilon=c.norm_eps, dtype=self.dtype, name="norm")(h)
-        if c.tied:
-            logits = jnp.einsum("btd,vd->btv", h, embed_params["wte"]["embedding"].astype(self.dtype))
-        else:
-            lm_head = nn.Dense(
-                c.vocab_size, use_bias=False, dtype=self.dtype, kernel_init=normal(0.02), name="lm_head"
-            )
-            logits = lm_head(h)
-        return logits if targets is None else cross_entropy(logits, targets)
+        # The output projection is a (vocab, width) table, tied to the embedding or not, so it streams
+        # in row chunks (models/vocab.py); Hugging Face's lm_head.weight has the same layout.
+        table = embed_params["wte"]["embedding"] if c.tied else VocabTable(c.vocab_size, c.d_model, name="lm_head")()
+        if targets is None:
+            return jnp.einsum("btd,vd->btv", h, table.astype(self.dtype))
+        return cross_entropy(h, table, targets, c.chunks, self.dtype)
 
 
 # Megatron tensor parallelism over the ``model`` axis: q, k, v (query and key-value heads), gate

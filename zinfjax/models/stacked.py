@@ -14,6 +14,31 @@ from zinfjax.models.configs import ModelConfig
 from zinfjax.models.layered import Layers
 
 
+@functools.cache
+def lm_loss(model: nn.Module):
+    """``loss(params, tokens)``: the mean next-token loss of ``tokens`` ``(B, T+1)`` (cached: engines share it).
+
+    Example:
+        >>> lm_loss(model)(params, batch)
+        Array(5.56, dtype=float32)
+    """
+
+    def loss(params, tokens):
+        return model.apply({"params": params}, tokens[:, :-1], tokens[:, 1:])
+
+    return loss
+
+
+@functools.cache
+def lm_init(model: nn.Module, seq_len: int = 8):
+    """``init(rng) -> params``: the model's initialiser (cached per model)."""
+
+    def init(rng):
+        return model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
+
+    return init
+
+
 class StackedLM(nn.Module):
     """``head(scan(block, embed(tokens)))``; subclasses name their ``Embed``, ``Block`` and ``Head`` modules.
 

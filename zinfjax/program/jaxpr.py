@@ -86,7 +86,7 @@ def contains(jaxpr, name: str) -> bool:
 
 
 def inline_calls(closed, keep=lambda jaxpr: not contains(jaxpr, SCAN), names=CALLS, conds: bool = False):
-    """A closed jaxpr whose call eqns (primitives in ``names``) are replaced by their bodies, except those ``keep`` accepts.
+    """A closed jaxpr whose call eqns (primitives in ``names``) are replaced by their bodies, unless ``keep`` says.
 
     By default every call that hides a scan is inlined, so the scans of a jitted or rematerialised
     model show at the top level. Inlined variables are renamed, so a body called twice stays apart.

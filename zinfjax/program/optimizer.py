@@ -42,7 +42,7 @@ from zinfjax.program.slicing import (
     combine,
     cond_operands,
 )
-from zinfjax.program.split import Program, path_str
+from zinfjax.program.split import Program, path_str, plain_keys
 
 NO_CALLS = lambda jaxpr: False  # noqa: E731 - inline every call: the update is never differentiated
 
@@ -57,6 +57,7 @@ class StateLeaf:
     dtype: np.dtype
     group: str | None
     param: int | None  # the parameter leaf it belongs to
+    keys: tuple = ()  # its key path as plain keys
 
 
 class UpdatePlan:
@@ -73,7 +74,8 @@ class UpdatePlan:
             program.params_tree, [jax.ShapeDtypeStruct(leaf.shape, jnp.float32) for leaf in leaves])
         state_like = jax.eval_shape(tx.init, self.params_like)
         flat, self.state_tree = jax.tree_util.tree_flatten_with_path(state_like)
-        self.state = [self._state_leaf(k, path_str(p), x) for k, (p, x) in enumerate(flat)]
+        self.state = [dataclasses.replace(self._state_leaf(k, path_str(p), x), keys=plain_keys(p))
+                      for k, (p, x) in enumerate(flat)]
         self._param_tags = [self._tag(leaf.group) for leaf in leaves]
         self._trace_update(state_like)
         self._trace_init()
@@ -81,7 +83,7 @@ class UpdatePlan:
     # ---- state leaves --------------------------------------------------------------------------
 
     def _state_leaf(self, k: int, path: str, x) -> StateLeaf:
-        owner = _owner(path, [leaf.path for leaf in self.program.leaves])
+        owner = _owner_index(path, [leaf.path for leaf in self.program.leaves])
         group = None
         if owner is not None and np.ndim(x) >= 1:
             leaf = self.program.leaves[owner]
@@ -302,10 +304,21 @@ def _needed(eqns, outs, given: set) -> list:
     return kept[::-1]
 
 
-def _owner(path: str, param_paths: list[str]) -> int | None:
+def _owner_index(path: str, param_paths: list[str]) -> int | None:
     """The parameter whose path ends ``path`` at a ``/`` (the longest such), or None."""
     best, best_len = None, -1
     for k, p in enumerate(param_paths):
         if (path == p or path.endswith("/" + p)) and len(p) > best_len:
             best, best_len = k, len(p)
     return best
+
+
+def owner_of(path: str, param_paths: list[str]) -> str | None:
+    """The parameter path that ends the state leaf path ``path`` (the longest), or None.
+
+    Example:
+        >>> owner_of("0/mu/blocks/fc/kernel", ["blocks/fc/kernel", "fc/kernel"])
+        'blocks/fc/kernel'
+    """
+    k = _owner_index(path, param_paths)
+    return None if k is None else param_paths[k]

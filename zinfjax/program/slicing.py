@@ -83,7 +83,9 @@ class Cross:
 def _refuse(eqn, tag: Tag, why: str = "") -> None:
     raise NotStreamableError(
         f"{eqn.primitive.name} mixes the slices of {tag.group.split(':', 1)[-1]} along its streamed axis"
-        f"{': ' + why if why else ''}, so it cannot run one layer at a time")
+        f"{': ' + why if why else ''}, so it cannot run one layer at a time; use a transformation that updates "
+        "each layer on its own or combines layers only by reductions (sums, norms, max), which zinfjax computes "
+        "exactly in extra sweeps (docs/engine.md, Optimizers)")
 
 
 def _sub(eqn):

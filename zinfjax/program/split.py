@@ -88,6 +88,7 @@ class Leaf:
     dtype: np.dtype
     group: str
     stream: Stream | None
+    keys: tuple = ()  # the key path as plain keys (str, or int for a sequence index)
 
     @property
     def slice_shape(self) -> tuple[int, ...]:
@@ -225,7 +226,8 @@ def split(loss_fn, params_like, batch_like, with_rng: bool = False) -> Program:
     batch_like = jax.tree.map(_abstract, batch_like)
     args = (params_like, batch_like) + ((jax.ShapeDtypeStruct((), jax.random.key(0).dtype),) if with_rng else ())
     closed, _ = jx.trace(loss_fn, *args)
-    closed = jx.inline_calls(closed)
+    # Every jit is inlined: a parameter's chunk view (jnp.pad, reshape) must show at the top level.
+    closed = jx.inline_calls(closed, keep=lambda jaxpr: False)
     p_leaves, p_tree = jax.tree_util.tree_flatten_with_path(params_like)
     b_leaves, b_tree = jax.tree_util.tree_flatten(batch_like)
     jaxpr = closed.jaxpr
@@ -235,9 +237,58 @@ def split(loss_fn, params_like, batch_like, with_rng: bool = False) -> Program:
     loss_var = _check_loss(jaxpr)
     paths = [path_str(p) for p, _ in p_leaves]
     eqns = jx.dce(jaxpr.eqns, [loss_var])
-    return _Splitter(closed, eqns, param_vars, paths).build(
+    program = _Splitter(closed, eqns, param_vars, paths).build(
         batch_vars=batch_vars, rng_var=rng_var, loss_var=loss_var, params_tree=p_tree, batch_tree=b_tree,
         batch_like=b_leaves)
+    program.leaves = [dataclasses.replace(leaf, keys=plain_keys(p)) for leaf, (p, _) in zip(program.leaves, p_leaves,
+                                                                                              strict=True)]
+    return program
+
+
+def plain_keys(path) -> tuple:
+    """A jax key path as plain keys: str, or int for a sequence index.
+
+    Example:
+        >>> plain_keys(jax.tree_util.tree_flatten_with_path({"a": [0, {"b": 1}]})[0][1][0])
+        ('a', 1, 'b')
+    """
+    keys = []
+    for k in path:
+        if isinstance(k, jax.tree_util.SequenceKey):
+            keys.append(k.idx)
+        elif isinstance(k, jax.tree_util.DictKey):
+            keys.append(k.key if isinstance(k.key, int) else str(k.key))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            keys.append(k.name)
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            keys.append(k.key)
+        else:
+            keys.append(str(k))
+    return tuple(keys)
+
+
+_PROGRAMS: dict = {}
+
+
+def program_for(loss_fn, params_like, batch_like, with_rng: bool = False) -> Program:
+    """`split`, cached by the loss function and the abstract inputs, so engines of one model share compiles.
+
+    Example:
+        >>> program_for(loss, params_like, batch_like) is program_for(loss, params_like, batch_like)
+        True
+    """
+    key = (loss_fn, _signature(params_like), _signature(batch_like), with_rng)
+    if key not in _PROGRAMS:
+        if len(_PROGRAMS) >= 32:
+            _PROGRAMS.pop(next(iter(_PROGRAMS)))
+        _PROGRAMS[key] = split(loss_fn, params_like, batch_like, with_rng)
+    return _PROGRAMS[key]
+
+
+def _signature(tree) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype))
+                          for x in leaves)
 
 
 def path_str(path) -> str:
@@ -300,11 +351,19 @@ class _Splitter:
         if pad is None or pad.primitive.name != "pad" or pad.invars[0] not in self.param_index:
             return None
         config = pad.params["padding_config"]
-        value = pad.invars[1]
-        zero = not jx.is_var(value) and float(np.asarray(value.val)) == 0.0
-        if not zero or config[0][0] != 0 or config[0][2] != 0 or any(tuple(c) != (0, 0, 0) for c in config[1:]):
+        high_only = config[0][0] == 0 and config[0][2] == 0 and all(tuple(c) == (0, 0, 0) for c in config[1:])
+        if not self._is_zero(pad.invars[1]) or not high_only:
             return None
         return self.param_index[pad.invars[0]], Stream(length, rows=new[1], pad=config[0][1]), [pad, reshape]
+
+    def _is_zero(self, atom) -> bool:
+        """Whether ``atom`` is a zero scalar: a literal, or a literal cast to another dtype."""
+        def cast(a):
+            return jx.is_var(a) and a in self.producer and self.producer[a].primitive.name == "convert_element_type"
+
+        while cast(atom):
+            atom = self.producer[atom].invars[0]
+        return not jx.is_var(atom) and float(np.asarray(atom.val)) == 0.0
 
     def _find_scans(self):
         scans = []

@@ -74,9 +74,13 @@ class StageFunctions:
     stage's gradient layout, ``placement.rows(x)`` a residual (``A`` leading) to its batch split.
     """
 
-    def __init__(self, program, placement):
-        self.program, self.placement = program, placement
+    def __init__(self, program, placement, micro: int = 1):
+        self.program, self.placement, self.micro = program, placement, micro
         self.constants = program.constants
+
+    def _map(self, f, xs):
+        """``lax.map`` over the ``micro`` micro-batches (also when ``xs`` is empty: a stage of parameters only)."""
+        return jax.lax.map(lambda args: f(args[1]), (jnp.arange(self.micro), xs))
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -104,7 +108,7 @@ class StageFunctions:
 
         def fwd(params, ins):
             params = self._params(params)
-            return self._rows(jax.lax.map(lambda a: self._run_whole(stage, params, a), ins))
+            return self._rows(self._map(lambda a: self._run_whole(stage, params, a), ins))
 
         return jax.jit(fwd)
 
@@ -119,7 +123,7 @@ class StageFunctions:
                 ins_a, d_a = args
                 return vjp_of(lambda p, i: self._run_whole(stage, p, i), (params, ins_a), d_a)
 
-            d_params, d_ins = jax.lax.map(one, (ins, d_outs))
+            d_params, d_ins = self._map(one, (ins, d_outs))
             return self._grads(_mean0(d_params)), self._rows(d_ins)
 
         return jax.jit(bwd)
@@ -135,10 +139,10 @@ class StageFunctions:
         for i, (kind, what) in enumerate(stage.operands):
             if n_c <= i < n_c + n_k:
                 continue
-            value = {"param": lambda: params[what], "stream": lambda: slices[what],
-                     "literal": lambda: what}.get(kind, lambda: None)()
             if kind == "var":
                 value = ins_at[what] if i < n_c else next(xs_it)
+            else:
+                value = {"param": params, "stream": slices}[kind][what] if kind != "literal" else what
             (consts if i < n_c else xs_ops).append(value)
         return consts, list(carry), xs_ops
 
@@ -157,7 +161,7 @@ class StageFunctions:
                 ins_a, carry_a, xs_a = args
                 return self._run_body(stage, params, slices, ins_a, carry_a, xs_a)
 
-            carry, ys = jax.lax.map(one, (ins, carry, xs))
+            carry, ys = self._map(one, (ins, carry, xs))
             return self._rows(carry), self._rows(ys)
 
         return jax.jit(fwd)
@@ -174,7 +178,7 @@ class StageFunctions:
                 f = lambda p, s, i, c, x: self._run_body(stage, p, s, i, c, x)  # noqa: E731
                 return vjp_of(f, (params, slices, ins_a, carry_a, xs_a), (dc_a, dy_a))
 
-            d_params, d_slices, d_ins, d_carry, d_xs = jax.lax.map(one, (ins, carry, xs, d_carry, d_ys))
+            d_params, d_slices, d_ins, d_carry, d_xs = self._map(one, (ins, carry, xs, d_carry, d_ys))
             return (self._grads(_mean0(d_params)), self._grads(_mean0(d_slices)), self._rows(d_ins),
                     self._rows(d_carry), self._rows(d_xs))
 

@@ -1,0 +1,150 @@
+"""Initial parameters one layer at a time: the user's initialiser, run one scan iteration at a time.
+
+``init_fn(rng) -> params`` (for Flax, ``lambda rng: model.init(rng, example)["params"]``) is traced
+once on an abstract key. Stacked leaves are outputs of a scan over the layers (what ``nn.scan`` and
+``nnx.vmap``/``nnx.scan`` produce when initialising): layer ``i`` of them is that scan's body run on
+iteration ``i``'s inputs. The rest of the tree is computed leaf group by leaf group. So the whole
+tree never exists in memory, and the values are bitwise those of ``jax.jit(init_fn)(rng)``: the
+same operations on the same keys (tests/test_init.py). This is what DeepSpeed's ``zero.Init``
+does for torch, without hooks.
+
+Example:
+    >>> source = InitSource(program, lambda rng: model.init(rng, tokens)["params"], jax.random.key(0))
+    >>> engine = Engine(program, source, tx, config, mesh)      # filled layer by layer
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from zinfjax.engine.source import store_slice
+from zinfjax.errors import UserError
+from zinfjax.program import jaxpr as jx
+
+
+class InitError(UserError):
+    """The initialiser does not produce the parameters the loss function takes."""
+
+
+class InitSource:
+    """The engine's initial parameters from ``init_fn(rng)``, one unit at a time (see the module docstring)."""
+
+    step = 0
+    loss_scale = None
+
+    def __init__(self, program, init_fn, rng):
+        self.program, self.rng = program, rng
+        closed, out_tree = jx.trace(init_fn, jax.ShapeDtypeStruct((), rng.dtype))
+        if out_tree != program.params_tree:
+            raise InitError(f"init_fn returns a tree of another structure than the loss function's parameters: "
+                            f"{out_tree} vs {program.params_tree}")
+        self.closed = jx.inline_calls(closed)
+        jaxpr = self.closed.jaxpr
+        for leaf, v in zip(program.leaves, jaxpr.outvars, strict=True):
+            if tuple(v.aval.shape) != leaf.shape:
+                raise InitError(f"init_fn makes {leaf.path} of shape {tuple(v.aval.shape)}, the loss function takes "
+                                f"{leaf.shape}")
+        self._by_scan = self._scan_outputs()
+        self._layer: dict = {}  # (scan eqn id, i) -> that iteration's outputs (the last one asked for)
+        self._whole: dict = {}  # group -> its leaves computed whole
+
+    def _scan_outputs(self) -> dict[int, tuple]:
+        """Leaf index -> (scan eqn, index among its ys) for leaves stacked by a top-level scan."""
+        jaxpr = self.closed.jaxpr
+        producers = {}
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == jx.SCAN:
+                n_k = eqn.params["num_carry"]
+                for j, v in enumerate(eqn.outvars[n_k:]):
+                    producers[v] = (eqn, j)
+        out = {}
+        for leaf, v in zip(self.program.leaves, jaxpr.outvars, strict=True):
+            if jx.is_var(v) and v in producers and leaf.stream is not None and leaf.stream.rows == 0:
+                out[leaf.index] = producers[v]
+        return out
+
+    # ---- the source interface ------------------------------------------------------------------
+
+    def params(self, group: str, i: int) -> list:
+        out = []
+        for leaf in self.program.leaves_of(group):
+            if leaf.index in self._by_scan:
+                eqn, j = self._by_scan[leaf.index]
+                out.append(self._iteration(eqn, i)[j])
+            else:
+                out.append(store_slice(leaf, self._group_whole(group)[leaf.index], i))
+        return out
+
+    def state(self, group: str, i: int) -> None:
+        return None
+
+    def globals(self) -> None:
+        return None
+
+    # ---- evaluation ----------------------------------------------------------------------------
+
+    def _group_whole(self, group: str) -> dict:
+        """The group's leaves that no scan stacks, computed whole (kept while the group is filled)."""
+        if group not in self._whole:
+            self._whole = {group: self._whole_fn(group)(self.rng)}
+        return self._whole[group]
+
+    @functools.cache  # noqa: B019 - one compile per group, for the life of the source
+    def _whole_fn(self, group: str):
+        jaxpr = self.closed.jaxpr
+        leaves = [leaf.index for leaf in self.program.leaves_of(group) if leaf.index not in self._by_scan]
+        outs = [jaxpr.outvars[k] for k in leaves]
+        eqns = jx.dce(jaxpr.eqns, outs)
+
+        def f(rng):
+            env = dict(zip(jaxpr.constvars, self.closed.consts, strict=True)) | {jaxpr.invars[0]: rng}
+            env = jx.evaluate(eqns, env)
+            return dict(zip(leaves, [jx.read(env, v) for v in outs], strict=True))
+
+        return jax.jit(f)
+
+    def _iteration(self, eqn, i: int) -> list:
+        key = (id(eqn), i)
+        if key not in self._layer:
+            inputs = self._scan_inputs(eqn)
+            self._layer = {key: self._body_fn(eqn)(*inputs, i)}
+        return self._layer[key]
+
+    @functools.cache  # noqa: B019
+    def _scan_inputs(self, eqn) -> tuple:
+        """The scan's consts and stacked xs, computed once (keys and the like: small)."""
+        jaxpr = self.closed.jaxpr
+        consts, _, xs = jx.scan_parts(eqn)
+        needed = [a for a in consts + xs if jx.is_var(a)]
+        eqns = jx.dce(jaxpr.eqns[: jaxpr.eqns.index(eqn)], needed)
+
+        def f(rng):
+            env = dict(zip(jaxpr.constvars, self.closed.consts, strict=True)) | {jaxpr.invars[0]: rng}
+            env = jx.evaluate(eqns, env)
+            return [jx.read(env, a) for a in consts], [jx.read(env, a) for a in xs]
+
+        return jax.jit(f)(self.rng)
+
+    @functools.cache  # noqa: B019
+    def _body_fn(self, eqn):
+        """``f(consts, xs, i) -> ys of iteration i``, with the carry dropped when the parameters do not need it."""
+        body = eqn.params["jaxpr"]
+        n_c, n_k = eqn.params["num_consts"], eqn.params["num_carry"]
+        ys = body.jaxpr.outvars[n_k:]
+        eqns = jx.dce(body.jaxpr.eqns, ys)
+        carry = body.jaxpr.invars[n_c : n_c + n_k]
+        if any(v in set(jx.free_vars(eqns)) for v in carry):
+            raise InitError("the initialiser's scan computes the parameters of a layer from the previous layer's "
+                            "output; zinfjax initialises one layer at a time, so each layer's parameters must depend "
+                            "only on its key (nn.scan with split_rngs={'params': True} does)")
+
+        def f(consts, xs, i):
+            env = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
+            env.update(zip(body.jaxpr.invars[:n_c], consts, strict=True))
+            env.update(zip(body.jaxpr.invars[n_c + n_k:], [x[i] for x in xs], strict=True))
+            env = jx.evaluate(eqns, env)
+            return [jx.read(env, v) for v in ys]
+
+        return jax.jit(f)
