@@ -335,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         code = args.func(args)
+        sys.stdout.flush()  # a reader that left shows here, where it is handled, not when Python exits
     except UserError as err:
         print(f"zinfjax: error: {err}", file=sys.stderr)
         code = 2
