@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -127,6 +128,10 @@ def _first_line(e: Exception) -> str:
 
 def _copy_leaf(src: str, dst: str, meta: dict, dtype: str, stacked: bool) -> int:
     source = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": src}}, open=True).result()
+    found = fmt.leaf_metadata(source.shape, source.dtype.numpy_dtype, source.chunk_layout.read_chunk.shape)
+    said = {k: meta.get(k) for k in found}
+    if found != said:  # zinfjax.json and the array disagree: trust neither with sizes
+        raise ValueError(f"{src}/zarr.json holds {found}, {fmt.META} says {said}")
     target = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": dst},
                       "metadata": fmt.zarr_metadata({**meta, "dtype": dtype})}, create=True).result()
     for sl in (range(meta["shape"][0]) if stacked else [Ellipsis]):
@@ -147,4 +152,4 @@ def _orbax_keys(src: str) -> dict[str, tuple]:
 
 
 def _nbytes(meta: dict) -> int:
-    return int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
+    return math.prod(meta["shape"]) * np.dtype(meta["dtype"]).itemsize

@@ -17,13 +17,14 @@ import numpy as np
 from zinfjax.checkpoint.errors import CheckpointCorruptError
 
 _COUNT = {"type": "integer", "minimum": 0}
+_DIM = 2**40  # far beyond any real dimension, and small enough that sizes stay exact
 _LEAF = {
     "type": "object",
     "required": ["shape", "dtype", "chunk_shape"],
     "properties": {
-        "shape": {"type": "array", "items": _COUNT},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": _DIM}, "maxItems": 32},
         "dtype": {"type": "string"},
-        "chunk_shape": {"type": "array", "items": {"type": "integer", "minimum": 1}},
+        "chunk_shape": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": _DIM}},
     },
 }
 _TIER = {
@@ -55,6 +56,7 @@ META_SCHEMA = {
             "required": ["params", "opt_state"],
             "properties": {"params": {"type": "object", "additionalProperties": _LEAF},
                            "opt_state": {"type": "object", "additionalProperties": _LEAF}},
+            "additionalProperties": False,
         },
     },
 }
@@ -89,7 +91,7 @@ def _leaf_problem(leaf: dict) -> str | None:
         return f"chunk_shape {leaf['chunk_shape']} has another rank than shape {leaf['shape']}"
     try:
         np.dtype(leaf["dtype"])
-    except TypeError:
+    except (TypeError, ValueError, OverflowError):
         return f"dtype {leaf['dtype']!r} is no dtype"
     return None
 
