@@ -174,7 +174,8 @@ class CheckpointManager:
     def prune(self) -> None:
         """Deletes the checkpoints beyond the newest ``keep`` (but `protect`); a save does this itself."""
         self.wait(raise_error=False)
-        self._prune()
+        if jax.process_index() == 0:  # as in a save: one process deletes
+            self._prune()
 
     def _prune(self) -> None:
         for old in self.steps()[: -self.keep]:
