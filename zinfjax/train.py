@@ -220,7 +220,7 @@ class Saver:
         self.every, self.trainer = config.save_every, trainer
         self.manager = CheckpointManager(config.save_dir, keep=config.keep_checkpoints, config=config,
                                          model=model_config, run_id=run_id)
-        self.saved = [start] if start else []  # this run's checkpoints, and the one it resumed from
+        self.saved = [start]  # this run's checkpoints, and the one it resumed from (0: none, or a converted one)
         self.final: int | None = None
         self.final_error = None
 
