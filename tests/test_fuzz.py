@@ -47,7 +47,8 @@ def only_user_errors(fn, *args, **kwargs) -> None:
 
 
 @SETTINGS
-@given(st.dictionaries(st.sampled_from([*CONFIG_KEYS, "unknown_key"]), JSON, max_size=6))
+@given(st.dictionaries(st.sampled_from([*CONFIG_KEYS, "unknown_key"]) | st.text(max_size=6) | st.integers(), JSON,
+                       max_size=6))
 def test_any_config_mapping_gives_a_config_or_a_user_error(values):
     only_user_errors(Config.from_dict, values)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from zinfjax.errors import ConfigError
+from zinfjax.errors import ConfigError, printable
 from zinfjax.units import parse_bytes
 
 TIERS = ("device", "host", "nvme")
@@ -85,7 +85,7 @@ class Config:
     def from_dict(cls, values: dict[str, Any], source: str = "config") -> Config:
         """Builds a Config from a mapping, refusing unknown keys with the list of known ones."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(printable(k) for k in set(values) - known)  # a YAML key may be a number, or hold a newline
         if unknown:
             raise ConfigError(
                 f"{source}: unknown key(s) {', '.join(unknown)}; known keys are {', '.join(sorted(known))}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zinfjax.errors import ConfigError
+from zinfjax.errors import ConfigError, printable
 
 DEVICES = {"none": "device", "cpu": "host", "nvme": "nvme"}
 
@@ -49,7 +49,7 @@ def from_deepspeed(ds: dict[str, Any], source: str = "DeepSpeed config") -> dict
             unsupported.append(key)
     if unsupported:
         raise ConfigError(
-            f"{source}: these DeepSpeed keys are not supported by zinfjax: {', '.join(unsupported)}; "
+            f"{source}: these DeepSpeed keys are not supported by zinfjax: {', '.join(map(printable, unsupported))}; "
             f"remove them (docs/config.md lists the mapping)"
         )
     return out
