@@ -66,7 +66,7 @@ def check_fresh(config) -> str | None:
 
 
 def owner(save_dir: str, steps: list[int]) -> str:
-    """``steps 2, 4, 6; run 3f2a..., model gpt2-tiny, seed 0``: what a save_dir holds, from its newest metadata."""
+    """``steps 2, 4, 6; run 3f2a...; model gpt2-tiny; seed 0``: what a save_dir holds, from its newest metadata."""
     parts = [f"step{'s' if len(steps) > 1 else ''} {_steps(steps)}"]
     try:
         meta = fmt.read_meta(fmt.step_dir(save_dir, steps[-1]))

@@ -5,7 +5,7 @@ Every reader (``ckpt info``, resuming, inference, conversion) gets its metadata 
 a value of the wrong type later, deep inside a restore.
 
 Example:
-    >>> check_meta({"step": -1}, "runs/ckpt/3/zinfjax.json")
+    >>> check_meta({**meta, "step": -1}, "runs/ckpt/3/zinfjax.json")
     CheckpointCorruptError: runs/ckpt/3/zinfjax.json is damaged: at step: -1 is less than the minimum of 0; ...
 """
 
@@ -97,10 +97,12 @@ def _leaf_problem(leaf: dict) -> str | None:
 
 
 def damaged(path: str, problem: str) -> CheckpointCorruptError:
-    """The error for a ``zinfjax.json`` that cannot be used, with what to do about it."""
-    return CheckpointCorruptError(
-        f"{path} is damaged: {_one_line(problem)}; `zinfjax ckpt info <save_dir> --verify` lists the complete "
-        "checkpoints, and resume=STEP continues from one of them")
+    """The error for a ``zinfjax.json`` that cannot be used, with what to do about it (``.detail``: without that)."""
+    detail = f"{path} is damaged: {_one_line(problem)}"
+    error = CheckpointCorruptError(f"{detail}; `zinfjax ckpt info <save_dir> --verify` lists the complete "
+                                   "checkpoints, and resume=STEP continues from one of them")
+    error.detail = detail
+    return error
 
 
 def _one_line(text: str) -> str:

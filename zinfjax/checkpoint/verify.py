@@ -81,7 +81,7 @@ def _problem(directory: str, step: int | None, checksums: bool) -> tuple[str, st
     try:
         meta = fmt.read_meta(directory)
     except CheckpointCorruptError as e:
-        return CORRUPT, str(e).split("; `zinfjax ckpt info")[0]
+        return CORRUPT, getattr(e, "detail", str(e))
     if step is not None and meta["step"] != step:
         return CORRUPT, f"{fmt.META} records step {meta['step']}"
     slots: dict[int, np.ndarray] = {}
