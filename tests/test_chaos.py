@@ -1,11 +1,12 @@
 """Chaos: a run that saves every step, killed by SIGKILL at random points again and again, ends bit-identical.
 
 Each ``zinfjax train ... resume=true`` process is killed at a random moment while it trains: a
-random delay, up to one step-and-save period of the uninterrupted run, after the save of a random
-one of its next two steps begins. So the kill lands in a step, in a save's background write, in its
-commit, or in the pruning of an old checkpoint. The next process resumes from whatever the kill
-left. After `KILLS` kills a last process runs to the end, and its checkpoints must equal, file for
-file and byte for byte (every chunk, with its crc32c), those of a run that was never interrupted.
+random delay, up to one step-and-save period of the uninterrupted run (and before the next save
+begins), after the save of a random one of its next two steps begins. So the kill lands in a step,
+in a save's background write, in its commit, or in the pruning of an old checkpoint. The next
+process resumes from whatever the kill left. After `KILLS` kills a last process runs to the end,
+and its checkpoints must equal, file for file and byte for byte (every chunk, with its crc32c),
+those of a run that was never interrupted.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from zinfjax.checkpoint.verify import verify_save_dir
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILLS = 4
 SEED = 18  # of the kill points: a failure reproduces with the same ones
-STEPS = 12
+STEPS = 10  # the last kill's step is at most 2 x KILLS: the run never ends before it
 SETTINGS = ["model=gpt2-tiny", "batch_size=2", "seq_len=16", "mesh=data:1", f"steps={STEPS}", "save_every=1",
             "keep_checkpoints=2"]
 
@@ -44,20 +45,27 @@ def start(save_dir, *settings) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def save_began(save_dir, step: int) -> bool:
-    """Whether the save of ``step`` has begun (a save begins only once the one before it is committed)."""
-    return any(os.path.exists(os.path.join(save_dir, name)) for name in (f".tmp-{step}", str(step)))
+def reached(save_dir, step: int, phase: str) -> bool:
+    """Whether the save of ``step`` has begun (``began``; it begins once the one before is committed) or is
+    committed (``committed``; the pruning of the oldest checkpoint follows at once)."""
+    names = [str(step)] if phase == "committed" else [f".tmp-{step}", str(step)]
+    return any(os.path.exists(os.path.join(save_dir, name)) for name in names)
 
 
-def wait_for(proc: subprocess.Popen, save_dir, step: int, timeout: float = 300) -> float | None:
-    """The time the save of ``step`` began, or None if ``proc`` finished before it."""
+def wait_for(proc: subprocess.Popen, save_dir, step: int, phase: str = "began", timeout: float = 300) -> float | None:
+    """The time the save of ``step`` reached ``phase`` in ``proc``, or None if ``proc`` finished before."""
     deadline = time.monotonic() + timeout
-    while not save_began(save_dir, step):
-        if proc.poll() is not None:
-            assert proc.returncode == 0, proc.stderr.read()[-3000:]
-            return None
-        assert time.monotonic() < deadline, f"the save of step {step} never began"
-        time.sleep(0.005)
+    conditions = [lambda: reached(save_dir, step, phase)]
+    stale = os.path.join(save_dir, f".tmp-{step}")
+    if os.path.exists(stale):  # a killed process's: first wait for this process's start to clear it
+        conditions.insert(0, lambda: not os.path.exists(stale) or reached(save_dir, step, "committed"))
+    for done in conditions:
+        while not done():
+            if proc.poll() is not None:
+                assert proc.returncode == 0, proc.stderr.read()[-3000:]
+                return None
+            assert time.monotonic() < deadline, f"the save of step {step} never {phase}"
+            time.sleep(0.002)
     return time.monotonic()
 
 
@@ -101,15 +109,20 @@ def test_sigkill_at_random_points_ends_bit_identical_to_an_uninterrupted_run(roo
     rng, kills = random.Random(SEED), 0
     while kills < KILLS:
         resumed = max(complete_steps(str(chaos)), default=0)
-        target = min(resumed + rng.choice([1, 2]), STEPS)
+        target, phase = min(resumed + rng.choice([1, 2]), STEPS), rng.choice(["began", "committed"])
         proc = start(chaos, "resume=true")
-        assert wait_for(proc, chaos, target) is not None, f"the run finished after {kills} kills"
-        time.sleep(rng.uniform(0.0, period))
-        assert proc.poll() is None, f"the run finished after {kills} kills"
+        assert wait_for(proc, chaos, target, phase) is not None, f"the run finished after {kills} kills"
+        delay = rng.uniform(0.0, period)
+        kill_at = time.monotonic() + delay
+        # At the latest when the next save begins: a run faster than the reference's is still killed in its step.
+        while time.monotonic() < kill_at and not reached(chaos, target + 1, "began"):
+            time.sleep(0.002)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
-        print(f"kill {kills}: from step {resumed}, {sorted(os.listdir(chaos))} left")
+        print(f"kill {kills}: resumed from step {resumed}, {delay:.2f} s after step {target}'s save {phase}; left "
+              f"{sorted(os.listdir(chaos))}")
     proc = start(chaos, "resume=true")
     assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
 
