@@ -26,4 +26,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache .hypothesis

@@ -345,8 +345,12 @@ class HFTarget:
 
 
 def _write_hf(source, dst: str, hf: HFTarget, progress: bool) -> dict:
-    if os.path.isfile(os.path.join(dst, SAFETENSORS)) or glob.glob(os.path.join(dst, "model-*-of-*.safetensors")):
-        raise SourceError(f"{dst} already holds a model's safetensors: write to an empty directory")
+    held = [f for f in (CONFIG, SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX)
+            if os.path.isfile(os.path.join(dst, f))] + sorted(glob.glob(os.path.join(dst, "model-*-of-*.safetensors")))
+    if held:  # a model's files, even a lone config.json: writing would replace them
+        names = ", ".join(os.path.basename(f) for f in held[:3]) + (", ..." if len(held) > 3 else "")
+        raise SourceError(f"{dst} already holds a model's files ({names}): write to a new or empty directory, or "
+                          "remove them first")
     dtypes = {p: s.dtype for p, s in source.like.items()}
     specs = hf_specs(source.config, dtypes, hf.dtype)
     total = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for _, dt, shape in specs)

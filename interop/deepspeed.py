@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -45,7 +44,7 @@ from interop.hf import _Entry, _expected, _hf_shape, _layer_shape, _some, zinfja
 from interop.hf_config import from_hf_config
 from interop.tables import BY_ARCH, FUSE_AXIS, ArchTable, hf_shape, to_zinfjax
 from zinfjax.checkpoint import CheckpointWriter, expected_leaves
-from zinfjax.config import Config
+from zinfjax.config import Config, read_mapping
 from zinfjax.models import ModelConfig
 from zinfjax.models.configs import NAMED
 from zinfjax.optim import make_optimizer
@@ -123,8 +122,7 @@ def _model_config(given, src: str, ckpt: DeepSpeedCheckpoint) -> ModelConfig:
     path = os.path.join(given, "config.json") if os.path.isdir(given) else given
     if not os.path.isfile(path):
         raise CheckpointFilesError(f"{path} does not exist: the model's Hugging Face config.json is needed")
-    with open(path) as f:
-        return from_hf_config(json.load(f))
+    return from_hf_config(read_mapping(path, "the model's Hugging Face config", CheckpointFilesError))
 
 
 def _plan(parts: Partitions, model: ModelConfig, ckpt: DeepSpeedCheckpoint) -> list[tuple[str, _Entry]]:

@@ -24,6 +24,7 @@ import safetensors
 import torch
 
 from interop.errors import CheckpointFilesError
+from zinfjax.config import read_mapping
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 TORCH_BIN, TORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -49,8 +50,11 @@ class TensorFiles:
             if os.path.exists(os.path.join(directory, single)):
                 return TensorFiles(directory, {name: single for name in _names(directory, single)})
             if os.path.exists(os.path.join(directory, index)):
-                with open(os.path.join(directory, index)) as f:
-                    return TensorFiles(directory, dict(json.load(f)["weight_map"]))
+                weights = read_mapping(os.path.join(directory, index), "the index", CheckpointFilesError)
+                if not isinstance(weights.get("weight_map"), dict):
+                    raise CheckpointFilesError(f"{os.path.join(directory, index)} has no weight_map object: it is "
+                                               "not an index that transformers writes")
+                return TensorFiles(directory, dict(weights["weight_map"]))
         raise CheckpointFilesError(
             f"{directory} has none of {SAFETENSORS}, {SAFETENSORS_INDEX}, {TORCH_BIN}, {TORCH_BIN_INDEX}: "
             "point at a Hugging Face model directory (what save_pretrained writes)"

@@ -45,6 +45,7 @@ from interop.files import (
 from interop.hf_config import from_hf_config, to_hf_config
 from interop.tables import BY_ARCH, FUSE_AXIS, TABLES, ArchTable, Rule, hf_shape, to_hf, to_zinfjax
 from zinfjax import models
+from zinfjax.config import read_mapping
 from zinfjax.models import ModelConfig
 
 CONFIG = "config.json"
@@ -372,8 +373,7 @@ def _some(names: list[str], limit: int = 5) -> str:
 def _read_json(path: str) -> dict:
     if not os.path.exists(path):
         raise CheckpointFilesError(f"{path} is missing: a Hugging Face model directory needs its config.json")
-    with open(path) as f:
-        return json.load(f)
+    return read_mapping(path, "the Hugging Face config", CheckpointFilesError)
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -4,6 +4,8 @@ Modes (argv: MODE ROOT):
 - ``kill-in-save``: saves at step 2, then holds the save of step 4 just before its commit;
 - ``kill-in-step``: saves at step 2, then holds step 4 half way through its backward pass;
 - ``rss SAVE_DIR``: trains 3 steps, then prints the peak RSS of training and of a save to SAVE_DIR.
+- ``kill-in-prune SAVE_DIR``: saves step 5 into SAVE_DIR (which holds steps 2 and 4) keeping 2, and
+  SIGKILLs itself half way through deleting step 2.
 Either hold writes ROOT/ready and sleeps, for the parent to SIGKILL it there.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import sys
 import time
 
@@ -19,6 +23,7 @@ from tests.engine_helpers import batches, config, make_engine
 from zinfjax.checkpoint import CheckpointManager
 from zinfjax.checkpoint import manager as manager_module
 
+RMTREE = shutil.rmtree
 NVME = dict(params="nvme", optimizer="nvme", gradients="nvme", activations="nvme", mesh="data:1")
 
 
@@ -51,7 +56,28 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
+def killed_half_way(path, **kwargs) -> None:
+    """``shutil.rmtree`` that, deleting a checkpoint (not a save's temporary directory), deletes half of its
+    files (its zinfjax.json sorts last, so it stays), then dies by SIGKILL."""
+    if os.path.basename(path).startswith(".tmp-"):
+        return RMTREE(path, **kwargs)
+    files = sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names)
+    for f in files[: len(files) // 2]:
+        os.remove(f)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_in_prune(save_dir: str) -> None:
+    engine = make_engine(config(mesh="data:1"))
+    manager = CheckpointManager(save_dir, keep=2)
+    shutil.rmtree = killed_half_way
+    manager.save(engine, step=5)
+    manager.wait()
+
+
 def main(mode: str, root: str, save_dir: str | None = None) -> None:
+    if mode == "kill-in-prune":
+        return kill_in_prune(root)
     c = config(nvme_path=os.path.join(root, "nvme"), **NVME)
     engine, data = make_engine(c), batches(c)
     manager = CheckpointManager(save_dir or os.path.join(root, "ckpt"))

@@ -123,3 +123,68 @@ def test_model_is_a_named_size_a_model_file_or_a_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no complete checkpoint|holds no checkpoint|no checkpoint"):
         Config.load(None, [f"model={tmp_path / 'empty'}"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("seed=-1", r"seed=-1 must be between 0 and 2\*\*63-1"),
+    (f"seed={2**65}", r"must be between 0 and 2\*\*63-1"),
+    ("steps=true", "steps=True is not a valid int"),
+    ("batch_size=2.5", "is not a valid int"),
+    ("lr=.inf", "lr=inf must be a positive, finite number"),
+    ("lr=.nan", "lr=nan must be a positive, finite number"),
+    ("weight_decay=-1", "weight_decay=-1.0 must be 0"),
+    ("grad_clip=.inf", "grad_clip=inf must be 0"),
+    ("max_nonfinite_steps=0", "max_nonfinite_steps=0 must be 1 or more"),
+    ("model=[1, 2]", "is not a valid str"),
+    ("log=true", "log=True is not a valid str"),
+    ("resume=-3", "resume=-3 is not allowed; use true"),
+    ("host_buffer_bytes=.inf", "host_buffer_bytes: not a byte size"),
+    ("lr=[1", r"--set 'lr=\[1': the value cannot be parsed \(expected"),
+    ("overwrite=true", "need a checkpoint directory"),
+])
+def test_bad_values_are_refused_by_type_and_range(override, message):
+    with pytest.raises(ConfigError, match=message):
+        Config.load(None, [override])
+
+
+def test_overwrite_and_resume_exclude_each_other(tmp_path):
+    with pytest.raises(ConfigError, match="set only one"):
+        Config.load(None, [f"save_dir={tmp_path}", "resume=true", "overwrite=true"])
+    assert Config.load(None, [f"save_dir={tmp_path}", "resume=4"]).resume_step == 4
+    assert Config.load(None, [f"save_dir={tmp_path}", "resume=0"]).resuming  # a converted checkpoint is step 0
+    assert not Config.load(None, [f"save_dir={tmp_path}", "resume=false"]).resuming
+
+
+def test_a_config_built_in_python_is_checked_by_type():
+    with pytest.raises(ConfigError, match="steps=True is not a valid int"):
+        Config(steps=True)
+    assert Config(lr=1).lr == 1.0 and isinstance(Config(lr=1).lr, float)
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("dup.yaml", "steps: 3\nlr: 0.1\nsteps: 4\n", r"key 'steps' is given twice \(lines 1 and 3\); keep one"),
+    ("dup.json", '{"steps": 3, "steps": 4}', "key 'steps' is given twice in one object; keep one"),
+    ("nested.yaml", "model: gpt2-tiny\nsteps: {a: 1, a: 2}\n", "key 'a' is given twice"),
+])
+def test_duplicate_keys_are_refused(tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        Config.from_file(str(tmp_path / name))
+
+
+@pytest.mark.parametrize("ds,message", [
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_size": "abc"}}},
+     r"ds.json: DeepSpeed zero_optimization.offload_param.buffer_size='abc' must be a whole number"),
+    ({"zero_optimization": 5}, "DeepSpeed zero_optimization must be a JSON object of keys and values, not 5"),
+    ({"zero_optimization": {"offload_param": {"device": ["cpu"]}}}, r"offload_param.device=\['cpu'\]; use none"),
+    ({"zero_optimization": {"offload_param": {"buffer_count": 0}}}, "buffer_count=0 must be a whole number"),
+    ({"zero_optimization": {}, "bf16": True}, "DeepSpeed bf16 must be a JSON object"),
+    ({"zero_optimization": {}, "optimizer": {"type": "adam", "params": {"betas": "x"}}},
+     "optimizer.params.betas='x' must be a number or a list of numbers"),
+    ({"zero_optimization": {"stage": 7}}, r"\(a DeepSpeed config, mapped as docs/config.md shows\): stage=7 is not"),
+    ({"zero_optimization": {}, "gradient_clipping": "high"}, "grad_clip='high' is not a valid float"),
+])
+def test_deepspeed_values_are_checked_by_type(tmp_path, ds, message):
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    with pytest.raises(ConfigError, match=message):
+        Config.from_file(str(tmp_path / "ds.json"))

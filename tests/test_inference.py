@@ -115,8 +115,12 @@ def test_bad_input_is_refused_clearly(trained_checkpoint, tmp_path):
         generate(str(empty), [[1]], 2, Config())
     no_params = tmp_path / "no_params" / "0"
     no_params.mkdir(parents=True)
-    (no_params / "zinfjax.json").write_text(json.dumps({"step": 0, "items": {"params": {}, "opt_state": {}}}))
+    meta = json.loads(open(os.path.join(path, "3", "zinfjax.json")).read())
+    (no_params / "zinfjax.json").write_text(json.dumps({**meta, "step": 0, "items": {"params": {}, "opt_state": {}}}))
     with pytest.raises(UserError, match="holds no parameters"):
+        generate(str(no_params.parent), [[1]], 2, Config())
+    (no_params / "zinfjax.json").write_text(json.dumps({"step": 0, "items": {"params": {}, "opt_state": {}}}))
+    with pytest.raises(UserError, match="zinfjax.json is damaged: at the top level: 'format_version' is a required"):
         generate(str(no_params.parent), [[1]], 2, Config())
     cli = [sys.executable, "-m", "zinfjax.cli", "generate", path, "--prompt", "Hi", "--tokenizer", "nope"]
     out = subprocess.run(cli, capture_output=True, text=True)

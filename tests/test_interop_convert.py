@@ -379,7 +379,13 @@ def test_existing_output_is_never_overwritten(hf, tmp_path, capsys):
     assert sorted(os.listdir(first["path"])) == before
     convert_json(capsys, src, tmp_path / "hf", "--to", "hf")
     code, _, err = convert(capsys, src, tmp_path / "hf", "--to", "hf", "--quiet")
-    assert code == 2 and "already holds a model's safetensors" in err
+    assert code == 2 and "already holds a model's files (config.json, model.safetensors)" in err
+    (tmp_path / "lone").mkdir()  # issue 18: a lone config.json was silently replaced
+    (tmp_path / "lone" / "config.json").write_text('{"mine": 1}')
+    code, _, err = convert(capsys, src, tmp_path / "lone", "--to", "hf", "--quiet")
+    assert code == 2 and "already holds a model's files (config.json)" in err
+    assert (tmp_path / "lone" / "config.json").read_text() == '{"mine": 1}'
+    assert os.listdir(tmp_path / "lone") == ["config.json"]
 
 
 def test_a_corrupt_zinfjax_checkpoint_is_named_and_no_model_is_written(hf, tmp_path, capsys):

@@ -7,6 +7,8 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from zinfjax.errors import UserError
@@ -124,12 +126,16 @@ def add_ckpt(sub) -> None:
     p = sub.add_parser("ckpt", help="inspect and export checkpoints",
                        description="Inspect a checkpoint directory, or export a checkpoint's parameters for inference.",
                        epilog="examples:\n  zinfjax ckpt info runs/demo/ckpt\n"
+                       "  zinfjax ckpt info runs/demo/ckpt --verify\n"
                        "  zinfjax ckpt export runs/demo/ckpt runs/demo/params-bf16 --dtype bf16",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     info = actions.add_parser("info", help="steps, leaf shapes, bytes per tier and the training config")
     info.add_argument("dir", help="a save_dir, or one checkpoint (<save_dir>/<step>)")
     info.add_argument("--json", action="store_true", help="print the newest checkpoint's metadata as JSON")
+    info.add_argument("--verify", action="store_true", help="check every checkpoint's metadata and every chunk's "
+                      "crc32c, and say which steps are complete, corrupt or partial (exit status 1 if any is not "
+                      "complete)")
     export = actions.add_parser("export", help="parameters only, in the compute dtype, as an orbax checkpoint")
     export.add_argument("dir", help="a save_dir (its newest checkpoint) or one checkpoint")
     export.add_argument("out", help="the new directory (an orbax PyTree checkpoint of numpy arrays)")
@@ -141,6 +147,10 @@ def add_ckpt(sub) -> None:
 def _ckpt(args) -> int:
     from zinfjax.checkpoint import inspect
 
+    if args.action == "info" and args.verify:
+        text, all_complete = inspect.verify_text(args.dir)
+        print(text)
+        return 0 if all_complete else 1
     if args.action == "info":
         print(inspect.info_text(args.dir, as_json=args.json))
         return 0
@@ -189,14 +199,17 @@ def _generate(args) -> int:
 
     from zinfjax.config import Config
     from zinfjax.inference import Sampling, generate
+    from zinfjax.inference.generate import check_counts, parse_ids
     from zinfjax.inference.params import checkpoint_model
     from zinfjax.inference.tokenizer import load_tokenizer
 
     config = Config.load(None, args.overrides)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    check_counts(args.max_new_tokens, args.batch_size)
+    ids = parse_ids(args.prompt_ids) if args.prompt_ids else None
     _, model = checkpoint_model(args.checkpoint)
     tokenizer = load_tokenizer(args.tokenizer, model.vocab_size)
-    ids = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else tokenizer.encode(args.prompt)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    ids = ids if ids is not None else tokenizer.encode(args.prompt)
     result = generate(args.checkpoint, [ids] * args.batch_size, args.max_new_tokens, config, sampling)
     if args.json:
         print(json.dumps({"tokens": result.tokens, "metrics": result.metrics}))
@@ -230,6 +243,10 @@ def _evaluate(args) -> int:
     from zinfjax.config import Config
     from zinfjax.inference import evaluate
 
+    if args.batches < 1:
+        from zinfjax.errors import ConfigError
+
+        raise ConfigError(f"--batches {args.batches} must be 1 or more")
     out = evaluate(args.checkpoint, args.data, Config.load(None, args.overrides), args.batches)
     print(json.dumps(out) if args.json else f"loss {out['loss']:.4f}, perplexity {out['perplexity']:.3f} over "
           f"{out['tokens']} tokens ({out['tokens_per_s']:.0f} tokens/s)")
@@ -319,15 +336,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         code = args.func(args)
+        sys.stdout.flush()  # a reader that left shows here, where it is handled, not when Python exits
     except UserError as err:
         print(f"zinfjax: error: {err}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         print("zinfjax: interrupted", file=sys.stderr)
         code = 130
+    except BrokenPipeError:
+        code = _reader_left()
     if code:
         _exit_now_if_distributed(code)
     return code
+
+
+def _reader_left() -> int:
+    """The reader of our output went away (``zinfjax ckpt info D | head``): stop quietly, as ``cat`` does."""
+    # Python would report the broken pipe again when it flushes stdout at exit; point stdout at /dev/null.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _exit_now_if_distributed(code: int) -> None:

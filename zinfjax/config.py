@@ -10,8 +10,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, fields
@@ -19,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from zinfjax.errors import ConfigError
+from zinfjax.errors import ConfigError, printable
 from zinfjax.units import parse_bytes
 
 TIERS = ("device", "host", "nvme")
@@ -71,16 +73,18 @@ class Config:
     final_lr: float = 0.0
     seed: int = 0
     log: str | None = None
+    max_nonfinite_steps: int = 3
     # checkpoints
     save_dir: str | None = None
     save_every: int = 0
     keep_checkpoints: int = 3
-    resume: bool = False
+    resume: bool | int = False
+    overwrite: bool = False
+    allow_config_change: bool = False
 
     def __post_init__(self):
-        for key in ("host_buffer_bytes", "memory_limit"):
-            if getattr(self, key) is not None:
-                object.__setattr__(self, key, parse_bytes(getattr(self, key)))
+        for f in fields(self):  # a Config built in Python is checked by type as one loaded from a file
+            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name)))
         _validate(self)
 
     # ---- loading -------------------------------------------------------------------------------
@@ -89,7 +93,7 @@ class Config:
     def from_dict(cls, values: dict[str, Any], source: str = "config") -> Config:
         """Builds a Config from a mapping, refusing unknown keys with the list of known ones."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(printable(k) for k in set(values) - known)  # a YAML key may be a number, or hold a newline
         if unknown:
             raise ConfigError(
                 f"{source}: unknown key(s) {', '.join(unknown)}; known keys are {', '.join(sorted(known))}"
@@ -103,7 +107,11 @@ class Config:
         if is_deepspeed(values):
             from zinfjax.deepspeed_config import from_deepspeed
 
-            return cls.from_dict(from_deepspeed(values, source=path), source=path)
+            with _naming(path, ""):
+                mapped = from_deepspeed(values, source=path)
+            # a value DeepSpeed passes through is checked as the zinfjax key it maps to
+            with _naming(path, " (a DeepSpeed config, mapped as docs/config.md shows)"):
+                return cls.from_dict(mapped, source=path)
         return cls.from_dict(values, source=path)
 
     @classmethod
@@ -124,7 +132,7 @@ class Config:
             key, sep, raw = item.partition("=")
             if not sep or not key.strip():
                 raise ConfigError(f"override {item!r} is not of the form key=value")
-            changes[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+            changes[key.strip()] = _parse_value(item, raw) if raw.strip() else None
         return Config.from_dict({**self.to_dict(), **changes}, source="--set")
 
     def replace(self, **changes) -> Config:
@@ -142,6 +150,27 @@ class Config:
     @property
     def uses_nvme(self) -> bool:
         return any(getattr(self, k) == "nvme" for k in (*TIER_KEYS, "kv_cache"))
+
+    @property
+    def resuming(self) -> bool:
+        """Whether the run continues from a checkpoint: ``resume=true`` or ``resume=STEP``."""
+        return self.resume is True or self.resume_step is not None
+
+    @property
+    def resume_step(self) -> int | None:
+        """The step ``resume=STEP`` names; None for ``resume=true`` (the newest verified) and ``false``."""
+        return self.resume if type(self.resume) is int else None
+
+
+@contextlib.contextmanager
+def _naming(path: str, what: str):
+    """Prefixes a `ConfigError` raised in the block with the file it came from, unless it names it already."""
+    try:
+        yield
+    except ConfigError as err:
+        if str(err).startswith(path):
+            raise
+        raise ConfigError(f"{path}{what}: {err}") from err
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -177,14 +206,69 @@ def read_mapping(path: str, what: str = "config file", error: type[Exception] = 
     try:
         with open(path) as f:
             text = f.read()
-        values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise error(f"{what} {path!r} cannot be parsed: {str(err).splitlines()[0]}") from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise error(f"{what} {path!r} cannot be read: {getattr(err, 'strerror', None) or err}") from err
+    try:
+        if path.endswith(".json"):
+            values = json.loads(text, object_pairs_hook=_unique_pairs)
+        else:
+            values = yaml.load(text, Loader=UniqueKeyLoader)
+    except (ValueError, yaml.YAMLError) as err:  # json.JSONDecodeError and DuplicateKeyError are ValueErrors
+        raise error(f"{what} {path!r} cannot be parsed: {parse_problem(err)}") from err
     if values is None:
         values = {}
     if not isinstance(values, dict):
         raise error(f"{what} {path!r} must hold a mapping of keys to values")
     return values
+
+
+class DuplicateKeyError(ValueError):
+    """A key given twice in one mapping of a JSON or YAML file (both parsers would keep the last silently)."""
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(f"key {key!r} is given twice in one object; keep one")
+        out[key] = value
+    return out
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping."""
+
+    def construct_mapping(self, node, deep=False):
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<:` merges may override keys; that is YAML's meaning, not a mistake
+            key, line = self.construct_object(key_node, deep=deep), key_node.start_mark.line + 1
+            try:
+                if key in lines:
+                    raise DuplicateKeyError(f"key {key!r} is given twice (lines {lines[key]} and {line}); keep one")
+                lines[key] = line
+            except TypeError:
+                continue  # an unhashable key: the safe loader's own error names it
+        return super().construct_mapping(node, deep)
+
+
+def _parse_value(item: str, raw: str) -> Any:
+    """The value of a ``--set key=value`` override, parsed as a YAML scalar."""
+    try:
+        return yaml.load(raw, Loader=UniqueKeyLoader)
+    except (yaml.YAMLError, DuplicateKeyError) as err:
+        raise ConfigError(f"--set {item!r}: the value cannot be parsed ({parse_problem(err)}); "
+                          "quote it, e.g. key='value'") from err
+
+
+def parse_problem(err: Exception) -> str:
+    """One line on what a JSON or YAML parser found wrong, and where."""
+    problem = getattr(err, "problem", None)
+    if problem is None:
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    mark = getattr(err, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
 def is_deepspeed(values: dict[str, Any]) -> bool:
@@ -195,34 +279,50 @@ _TYPES = {f.name: f.type for f in fields(Config)}
 
 
 def _coerce(key: str, value: Any) -> Any:
+    """``value`` as the type of ``key``; a value of another kind (a bool for a number, a list) is refused."""
     kind = _TYPES[key]
     if value is None:
         if "None" in kind:
             return None
         raise ConfigError(f"{key} needs a value")
     if key in ("host_buffer_bytes", "memory_limit"):
-        return parse_bytes(value)
+        try:
+            return parse_bytes(value)
+        except ConfigError as err:
+            raise ConfigError(f"{key}: {err}") from err
+    if key == "resume":
+        return _resume(value)
+    name = kind.split(" ")[0]
+    if isinstance(value, bool) != (name == "bool") or isinstance(value, dict | list | tuple | set):
+        raise ConfigError(f"{key}={value!r} is not a valid {name}")
     try:
-        if kind == "int" and not isinstance(value, bool):
+        if name == "int":
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
-        if kind == "float" and not isinstance(value, bool):
+        if name == "float":
             return float(value)
-        if kind == "bool":
-            if isinstance(value, bool):
-                return value
-            raise ValueError
-        if kind.startswith("str"):
+        if name == "str":
             return str(value)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"{key}={value!r} is not a valid {kind.split(' ')[0]}") from err
+    except (TypeError, ValueError, OverflowError) as err:
+        raise ConfigError(f"{key}={value!r} is not a valid {name}") from err
     return value
+
+
+def _resume(value: Any) -> bool | int:
+    """``resume``: true, false, or the step of the checkpoint to continue from."""
+    if isinstance(value, bool) or (isinstance(value, int) and value >= 0):
+        return value
+    raise ConfigError(f"resume={value!r} is not allowed; use true (the newest complete checkpoint), false, "
+                      "or a step number (zinfjax ckpt info SAVE_DIR lists them)")
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+MAX_SEED = 2**63 - 1  # jax.random.key and numpy's generators take a signed 64-bit seed
 
 
 def _validate(c: Config) -> None:
@@ -238,15 +338,18 @@ def _validate(c: Config) -> None:
     for key in ("host_buffer_bytes", "memory_limit"):
         _check(getattr(c, key) is None or getattr(c, key) > 0, f"{key}={getattr(c, key)} must be positive")
     _check(c.precision in PRECISIONS, f"precision={c.precision!r} is not allowed; use {', '.join(PRECISIONS)}")
-    _check(c.grad_clip >= 0, f"grad_clip={c.grad_clip} must be 0 (off) or positive")
+    _check(math.isfinite(c.grad_clip) and c.grad_clip >= 0, f"grad_clip={c.grad_clip} must be 0 (off) or positive")
     _check(c.grad_accum >= 1, f"grad_accum={c.grad_accum} must be 1 or more")
     _check(
         c.optimizer_name in OPTIMIZERS,
         f"optimizer_name={c.optimizer_name!r} is not allowed; use one of {', '.join(OPTIMIZERS)}",
     )
-    for key in ("steps", "batch_size", "seq_len"):
+    for key in ("steps", "batch_size", "seq_len", "max_nonfinite_steps"):
         _check(getattr(c, key) >= 1, f"{key}={getattr(c, key)} must be 1 or more")
-    _check(c.lr > 0, f"lr={c.lr} must be positive")
+    _check(math.isfinite(c.lr) and c.lr > 0, f"lr={c.lr} must be a positive, finite number, e.g. 3e-4")
+    _check(math.isfinite(c.weight_decay) and c.weight_decay >= 0,
+           f"weight_decay={c.weight_decay} must be 0 (off) or a positive, finite number")
+    _check(0 <= c.seed <= MAX_SEED, f"seed={c.seed} must be between 0 and 2**63-1")
     _check(c.warmup_steps >= 0, f"warmup_steps={c.warmup_steps} must be 0 (none) or more")
     _check(c.lr_decay in DECAYS, f"lr_decay={c.lr_decay!r} is not allowed; use one of {', '.join(DECAYS)}")
     _check(c.warmup_type in WARMUPS, f"warmup_type={c.warmup_type!r} is not allowed; use one of {', '.join(WARMUPS)}")
@@ -254,8 +357,10 @@ def _validate(c: Config) -> None:
     _check(0 <= c.warmup_start_lr <= c.lr, f"warmup_start_lr={c.warmup_start_lr} must be between 0 and lr={c.lr}")
     _check(c.save_every >= 0, f"save_every={c.save_every} must be 0 (only at the end) or positive")
     _check(c.keep_checkpoints >= 1, f"keep_checkpoints={c.keep_checkpoints} must be 1 or more")
-    _check(bool(c.save_dir) or not (c.save_every or c.resume),
-           "save_every and resume need a checkpoint directory; set save_dir=/path/to/checkpoints")
+    _check(bool(c.save_dir) or not (c.save_every or c.resuming or c.overwrite),
+           "save_every, resume and overwrite need a checkpoint directory; set save_dir=/path/to/checkpoints")
+    _check(not (c.overwrite and c.resuming),
+           "overwrite=true starts a new run in save_dir and resume continues the one there; set only one")
     parse_mesh(c.mesh)
     from zinfjax.models.configs import ModelConfig
 
@@ -292,11 +397,18 @@ KEY_DOCS = {
     "warmup_type": "linear, or log (DeepSpeed WarmupLR's default)",
     "lr_decay": "after the warmup: constant, linear or cosine decay to final_lr at the last step",
     "final_lr": "the learning rate at the last step of a linear or cosine decay",
-    "seed": "seed of the initial parameters and of the data order",
-    "log": "path of the JSON log; a PNG loss curve is written beside it",
+    "seed": "seed of the initial parameters and of the data order, 0 to 2**63-1",
+    "log": "path of the JSON log; a PNG loss curve is written beside it (checked writable before training)",
+    "max_nonfinite_steps": "consecutive steps with a NaN or inf loss after which the run stops with an error "
+                           "(fp16 overflow steps that the loss scaler skips do not count)",
     "kv_cache": "tier of the KV cache of `zinfjax generate`: device, host or nvme",
     "save_dir": "checkpoint directory: <save_dir>/<step>/ (orbax layout; see docs/checkpoint.md)",
     "save_every": "save a checkpoint every N steps (0: only after the last step); needs save_dir",
     "keep_checkpoints": "how many of the newest checkpoints to keep",
-    "resume": "continue from the newest complete checkpoint in save_dir, under this run's mesh, stage and tiers",
+    "resume": "true: continue from the newest complete, verified checkpoint in save_dir (under this run's mesh, "
+              "stage and tiers); a step number: from that checkpoint",
+    "overwrite": "start a new run in a save_dir that holds another run's checkpoints, moving them aside to "
+                 "<save_dir>/.replaced-<time>/ (without it such a run is refused)",
+    "allow_config_change": "resume even though seed, model, optimizer, lr, weight_decay, grad_clip, batch_size, "
+                           "seq_len, grad_accum or data differ from the checkpoint's",
 }

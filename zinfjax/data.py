@@ -64,9 +64,15 @@ def load_tokens(source: str) -> np.ndarray:
 def _load_bin(path: str) -> np.ndarray:
     if not os.path.isfile(path):
         raise DataError(f"token file {path!r} does not exist")
-    if os.path.getsize(path) % 2:
+    size = os.path.getsize(path)
+    if size == 0:
+        raise DataError(f"token file {path!r} is empty; a .bin file holds uint16 tokens")
+    if size % 2:
         raise DataError(f"token file {path!r} has an odd size; a .bin file holds uint16 tokens")
-    return np.memmap(path, dtype=np.uint16, mode="r")
+    try:
+        return np.memmap(path, dtype=np.uint16, mode="r")
+    except OSError as e:
+        raise DataError(f"token file {path!r} cannot be read: {e.strerror or e}") from e
 
 
 def _text_paths(source: str) -> list[str]:
@@ -81,8 +87,11 @@ def _text_paths(source: str) -> list[str]:
 
 
 def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise DataError(f"text file {path!r} cannot be read: {e.strerror or e}") from e
 
 
 class Batches:
@@ -95,7 +104,8 @@ class Batches:
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0, position: int = 0):
         if len(tokens) < seq_len + 2:
-            raise DataError(f"the data has {len(tokens)} tokens, fewer than seq_len+2={seq_len + 2}")
+            raise DataError(f"the data has {len(tokens)} tokens, fewer than seq_len+2={seq_len + 2}; give more data "
+                            "or a smaller seq_len")
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
         self.seed, self.position = seed, position
 

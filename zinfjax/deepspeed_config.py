@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zinfjax.errors import ConfigError
+from zinfjax.errors import ConfigError, printable
 
 DEVICES = {"none": "device", "cpu": "host", "nvme": "nvme"}
 
@@ -49,14 +49,14 @@ def from_deepspeed(ds: dict[str, Any], source: str = "DeepSpeed config") -> dict
             unsupported.append(key)
     if unsupported:
         raise ConfigError(
-            f"{source}: these DeepSpeed keys are not supported by zinfjax: {', '.join(unsupported)}; "
+            f"{source}: these DeepSpeed keys are not supported by zinfjax: {', '.join(map(printable, unsupported))}; "
             f"remove them (docs/config.md lists the mapping)"
         )
     return out
 
 
-def _zero(zero: dict[str, Any], out: dict, unsupported: list[str]) -> None:
-    for key, value in zero.items():
+def _zero(zero: Any, out: dict, unsupported: list[str]) -> None:
+    for key, value in _mapping(zero, "zero_optimization").items():
         if key == "stage":
             out["stage"] = value
         elif key in ("offload_param", "offload_optimizer"):
@@ -65,29 +65,48 @@ def _zero(zero: dict[str, Any], out: dict, unsupported: list[str]) -> None:
             unsupported.append(f"zero_optimization.{key}")
 
 
-def _offload(section: str, spec: dict[str, Any], out: dict, unsupported: list[str]) -> None:
+def _offload(section: str, spec: Any, out: dict, unsupported: list[str]) -> None:
     target = "params" if section == "offload_param" else "optimizer"
-    for key, value in spec.items():
+    where = f"zero_optimization.{section}"
+    for key, value in _mapping(spec, where).items():
         if key == "device":
-            if value not in DEVICES:
-                raise ConfigError(f"zero_optimization.{section}.device={value!r}; use none, cpu or nvme")
+            if not isinstance(value, str) or value not in DEVICES:
+                raise ConfigError(f"{where}.device={value!r}; use none, cpu or nvme")
             out[target] = DEVICES[value]
         elif key == "nvme_path":
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{where}.nvme_path={value!r} must be a directory path")
             out["nvme_path"] = value
         elif section == "offload_param" and key == "buffer_count":
-            out["prefetch_depth"] = max(int(value) - 1, 0)
+            out["prefetch_depth"] = _count(value, f"{where}.buffer_count") - 1
         elif section == "offload_param" and key == "buffer_size":
-            out["_buffer_size"] = int(value)
+            out["_buffer_size"] = _count(value, f"{where}.buffer_size")
         elif key not in NO_EFFECT[section]:
-            unsupported.append(f"zero_optimization.{section}.{key}")
+            unsupported.append(f"{where}.{key}")
     elements = out.pop("_buffer_size", None)
     if elements is not None:
         # DeepSpeed sizes buffers in elements of the 16-bit compute dtype, one per buffer.
         out["host_buffer_bytes"] = 2 * elements * (out.get("prefetch_depth", 4) + 1)
 
 
+def _mapping(value: Any, where: str) -> dict:
+    """A section of the DeepSpeed config, which must be a JSON object."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"DeepSpeed {where} must be a JSON object of keys and values, not {value!r}")
+    return value
+
+
+def _count(value: Any, where: str) -> int:
+    """A positive whole number (DeepSpeed writes 1e8 for a buffer size, so an integral float is one)."""
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or value < 1:
+        raise ConfigError(f"DeepSpeed {where}={value!r} must be a whole number, 1 or more")
+    return int(value)
+
+
 def _precision(name: str):
-    def handle(value: dict[str, Any], out: dict, unsupported: list[str]) -> None:
+    def handle(value: Any, out: dict, unsupported: list[str]) -> None:
+        value = _mapping(value, name)
         if value.get("enabled", False) in (True, "auto"):
             out["precision"] = name
         extra = set(value) - {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
@@ -97,26 +116,34 @@ def _precision(name: str):
     return handle
 
 
-def _optimizer(value: dict[str, Any], out: dict, unsupported: list[str]) -> None:
+def _optimizer(value: Any, out: dict, unsupported: list[str]) -> None:
+    value = _mapping(value, "optimizer")
     name = str(value.get("type", "")).lower()
     names = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "lion": "lion", "adagrad": "adagrad"}
     if name not in names:
         unsupported.append(f"optimizer.type={value.get('type')!r}")
         return
     out["optimizer_name"] = names[name]
-    params = value.get("params", {})
+    params = _mapping(value.get("params", {}), "optimizer.params")
     if "lr" in params:
         out["lr"] = params["lr"]
     if "weight_decay" in params:
         out["weight_decay"] = params["weight_decay"]
     defaults = {"betas": [0.9, 0.999], "eps": 1e-8}
     extra = set(params) - {"lr", "weight_decay", "torch_adam", "adam_w_mode"} - set(defaults)
-    extra |= {k for k, v in defaults.items() if k in params and _plain(params[k]) != v}
+    extra |= {k for k, v in defaults.items() if k in params and _plain(params[k], f"optimizer.params.{k}") != v}
     unsupported.extend(f"optimizer.params.{k}" for k in sorted(extra))
 
 
-def _plain(value: Any) -> Any:
-    return [float(x) for x in value] if isinstance(value, list | tuple) else float(value)
+def _plain(value: Any, where: str) -> Any:
+    try:
+        if isinstance(value, list | tuple):
+            return [float(x) for x in value]
+        if isinstance(value, bool):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"DeepSpeed {where}={value!r} must be a number or a list of numbers") from err
 
 
 def _setter(key: str):

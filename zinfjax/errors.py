@@ -10,3 +10,9 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A config value or key that is not allowed."""
+
+
+def printable(name) -> str:
+    """A key as an error message shows it: as written, or quoted with escapes when it would break the line."""
+    text = str(name)
+    return text if text.isprintable() and text.strip() == text and text else repr(name)

@@ -23,13 +23,16 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from zinfjax import models, rss
+from zinfjax.checkpoint.resume import plan_start
 from zinfjax.config import TIER_KEYS, Config
 from zinfjax.data import Batches, check_vocab, load_tokens
 from zinfjax.distributed import initialize_from_env, is_main_process, process_nvme_path
 from zinfjax.engine.engine import COMPUTE_DTYPES, Engine, update_plan
 from zinfjax.models.stacked import lm_init, lm_loss
+from zinfjax.nonfinite import LossWatch
 from zinfjax.optim import make_optimizer, make_schedule
 from zinfjax.plots import loss_curve
+from zinfjax.preflight import check_writable_file
 from zinfjax.program import InitSource, program_for
 from zinfjax.reference import init_state, make_step
 from zinfjax.sharding import batch_sharding, check_batch, make_mesh
@@ -96,11 +99,13 @@ class EngineTrainer:
         self.engine = lm_engine(model, config, mesh, source=self._source)
 
     def _source(self, program, plan):
-        from zinfjax.checkpoint import CheckpointSource, complete_steps
+        from zinfjax.checkpoint import CheckpointSource
+        from zinfjax.checkpoint.resume import resume_directory
 
         config = self._config
-        if config.resume and complete_steps(config.save_dir):
-            self.restored = CheckpointSource(config.save_dir, program, plan)
+        directory = resume_directory(config) if config.resuming else None  # run's choice: resume=STEP, else newest
+        if directory is not None:
+            self.restored = CheckpointSource(directory, program, plan)
             return self.restored
         return InitSource(program, lm_init(self._model), jax.random.key(config.seed))
 
@@ -151,16 +156,25 @@ def build_trainer(config: Config):
 def run(config: Config, progress: bool = True, trace: str | None = None) -> dict:
     """Trains for ``config.steps`` steps; writes the JSON log and loss curve when ``config.log`` is set.
 
-    Started by `zinfjax launch`, it first joins the other processes (`initialize_from_env`).
+    Started by `zinfjax launch`, it first joins the other processes (`initialize_from_env`). Before
+    building the model it checks the log path, the data and the save_dir (`plan_start`); a run
+    whose loss stays non-finite, or whose final checkpoint fails, writes its log and raises.
     """
     initialize_from_env()
     main = is_main_process()
     started = time.perf_counter()
+    if config.log and main:
+        check_writable_file(config.log, "log")
+    model_config = models.ModelConfig.resolve(config.model)
+    tokens = load_tokens(config.data)
+    check_vocab(tokens, model_config.vocab_size, config.data)
+    batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
+    plan = plan_start(config, model_config)
+    if plan.notes and main:
+        print("zinfjax: " + "; ".join(plan.notes), file=sys.stderr)
+    config = plan.config
     model, trainer = build_trainer(config.replace(nvme_path=process_nvme_path(config.nvme_path)))
     tracer = _attach_tracer(trainer, trace if main else None)
-    tokens = load_tokens(config.data)
-    check_vocab(tokens, model.config.vocab_size, config.data)
-    batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
     log = {"config": config.to_dict(), "processes": jax.process_count(), "devices": jax.device_count(),
            "init_s": time.perf_counter() - started, "init_peak_rss_bytes": rss.peak_bytes(), "steps": []}
     first = _start(trainer, batches, log, main)
@@ -170,9 +184,11 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
               "the learning rate never reaches lr", file=sys.stderr)
     if getattr(trainer, "engine", None) is not None:
         log["budget"] = dataclasses.asdict(trainer.engine.budget)
-    saver = Saver(config, model.config, trainer) if config.save_dir else None
+    saver = Saver(config, model.config, trainer, plan.run_id, first - 1) if config.save_dir else None
+    watch = LossWatch(config.max_nonfinite_steps, config.lr)
     bar = tqdm(range(first, config.steps + 1), disable=not (progress and main), unit="step", dynamic_ncols=True,
                initial=first - 1, total=config.steps)
+    stopped = None
     try:
         for step in bar:
             rss.reset_peak()
@@ -184,17 +200,26 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
                       "peak_rss_bytes": rss.peak_bytes()}
             log["steps"].append(record)
             bar.set_postfix_str(progress_text(record), refresh=False)
+            finite = watch.after_step(step, metrics["loss"])
             if saver:
-                saver.after_step(step, batches.position, last=step == config.steps)
-        if saver:
-            saver.close()
+                saver.after_step(step, batches.position, last=step == config.steps, finite=finite)
+            if watch.exhausted or (watch.failing and step == config.steps):
+                stopped = step
+                break
+        failure = saver.close(finished=stopped is None) if saver else None
+        if stopped is not None:
+            failure = watch.error(stopped, *(saver.good_and_doubtful() if saver else (None, None)))
     finally:
         if tracer is not None:
             tracer.detach()
             tracer.save(trace)
         getattr(trainer, "close", lambda: None)()
+    if failure is not None:
+        log["error"] = str(failure)
     if config.log and main:
         write_log(log, config.log)
+    if failure is not None:
+        raise failure
     return log
 
 
@@ -221,33 +246,67 @@ def _start(trainer, batches: Batches, log: dict, main: bool) -> int:
 class Saver:
     """Checkpoints of a ``zinfjax train`` run: every ``save_every`` steps and after the last one.
 
-    A failed save is reported and training goes on; the previous checkpoints are intact.
+    A failed save is reported and training goes on; the previous checkpoints are intact. A failed
+    final save fails the run (`close` returns the error). A step whose loss is not finite is never
+    saved, and pruning keeps the newest checkpoint that a finite loss has vouched for even beyond
+    ``keep_checkpoints`` (see `zinfjax.nonfinite`), until the run ends.
     """
 
-    def __init__(self, config: Config, model_config, trainer):
+    def __init__(self, config: Config, model_config, trainer, run_id: str | None = None, start: int = 0):
         from zinfjax.checkpoint import CheckpointManager
 
         self.every, self.trainer = config.save_every, trainer
         self.manager = CheckpointManager(config.save_dir, keep=config.keep_checkpoints, config=config,
-                                         model=model_config)
+                                         model=model_config, run_id=run_id)
+        self.saved = [start]  # this run's checkpoints, and the one it resumed from (0: none, or a converted one)
+        self.final: int | None = None
+        self.final_error = None
 
-    def after_step(self, step: int, data_position: int, last: bool) -> None:
+    def after_step(self, step: int, data_position: int, last: bool, finite: bool = True) -> None:
         from zinfjax.checkpoint import CheckpointSaveError
 
-        if last or (self.every and step % self.every == 0):
-            try:
-                self.manager.save(self.trainer.engine, step=step, data_position=data_position)
-            except CheckpointSaveError as e:
-                self._report(e)
-            self._report(self.manager.last_error)
+        if finite:  # this loss came from the parameters of step - 1: the checkpoints up to there are good
+            self.manager.protect = max((s for s in self.saved if s < step), default=None)
+        if not finite or not (last or (self.every and step % self.every == 0)):
+            return
+        self.final = step if last else None
+        try:
+            self.manager.save(self.trainer.engine, step=step, data_position=data_position)
+            self.saved.append(step)
+        except CheckpointSaveError as e:
+            self._report_or_keep(e)
+        self._report_or_keep(self.manager.last_error)
 
-    def close(self) -> None:
-        self._report(self.manager.wait(raise_error=False))
+    def good_and_doubtful(self) -> tuple[int | None, list[int]]:
+        """The newest checkpoint a finite loss vouched for, and the ones saved after it (on disk)."""
+        on_disk = set(self.manager.steps())
+        good = self.manager.protect if self.manager.protect in on_disk else None
+        return good, [s for s in self.saved if s in on_disk and (good is None or s > good)]
+
+    def close(self, finished: bool):
+        """Waits for the last save; returns the run's error if the final checkpoint failed, else None."""
+        self._report_or_keep(self.manager.wait(raise_error=False))
+        if finished and self.final_error is None:
+            self.manager.protect = None
+            self.manager.prune()  # the run ended well: back to keep_checkpoints
         self.manager.close()
+        if self.final_error is None:
+            return None
+        from zinfjax.checkpoint import CheckpointSaveError
 
-    @staticmethod
-    def _report(error) -> None:
-        if error is not None and is_main_process():
+        steps = self.manager.steps()
+        newest = (f"the newest checkpoint is step {steps[-1]} (resume=true continues from it)" if steps
+                  else "no checkpoint exists")
+        reason = getattr(self.final_error, "reason", str(self.final_error))
+        return CheckpointSaveError(f"the final checkpoint (step {self.final}) was not saved: {reason}; {newest}")
+
+    def _report_or_keep(self, error) -> None:
+        """A failed save of the last step fails the run; any other is a warning."""
+        if error is None:
+            return
+        if self.final is not None and getattr(error, "step", None) == self.final:
+            self.final_error = error
+        elif is_main_process():
             print(f"zinfjax: warning: {error}", file=sys.stderr)
 
 
@@ -279,7 +338,12 @@ def progress_text(record: dict) -> str:
 
 def write_log(log: dict, path: str) -> None:
     """Writes the JSON log and, beside it, the loss curve PNG."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(log, f, indent=1)
-    loss_curve(log, os.path.splitext(path)[0] + ".png")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(log, f, indent=1)
+        loss_curve(log, os.path.splitext(path)[0] + ".png")
+    except OSError as e:
+        from zinfjax.errors import UserError
+
+        raise UserError(f"the log {path} could not be written after training: {e.strerror or e}") from e

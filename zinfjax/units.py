@@ -15,16 +15,20 @@ def parse_bytes(value: str | int | float) -> int:
         >>> parse_bytes("2GiB")
         2147483648
     """
-    if isinstance(value, bool):
-        raise ConfigError(f"not a byte size: {value!r}")
-    if isinstance(value, int | float):
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ConfigError(f"not a byte size: {value!r}; write e.g. 4096, 512MiB, 2GiB or 1.5GB")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        number, unit = value, ""
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ConfigError(f"not a byte size: {value!r}; write e.g. 4096, 512MiB, 2GiB or 1.5GB")
+        number, unit = match.group(1), match.group(2).lower()
     try:
-        return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    except ValueError as err:
+        return int(float(number) * _UNITS[unit])
+    except (ValueError, OverflowError) as err:  # not a number, or inf / nan
         raise ConfigError(f"not a byte size: {value!r}; write e.g. 4096, 512MiB, 2GiB or 1.5GB") from err
 
 

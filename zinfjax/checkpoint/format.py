@@ -50,10 +50,7 @@ def complete_steps(save_dir: str) -> list[int]:
         >>> complete_steps("runs/demo/ckpt")
         [50, 100]
     """
-    if not os.path.isdir(save_dir):
-        return []
-    return sorted(int(n) for n in os.listdir(save_dir)
-                  if n.isdigit() and os.path.isfile(os.path.join(save_dir, n, META)))
+    return [s for s in step_names(save_dir) if os.path.isfile(os.path.join(step_dir(save_dir, s), META))]
 
 
 def leaf_metadata(shape, dtype, chunk_shape) -> dict:
@@ -107,5 +104,36 @@ def write_json(path: str, value) -> None:
 
 
 def read_meta(directory: str) -> dict:
-    with open(os.path.join(directory, META)) as f:
-        return json.load(f)
+    """The ``zinfjax.json`` of the checkpoint ``directory``, checked against its schema.
+
+    Raises:
+        CheckpointCorruptError: the file is missing, unreadable, not JSON, or lacks a key or has a
+            value of the wrong type (one line, naming the key).
+    """
+    from zinfjax.checkpoint.schema import check_meta, damaged
+
+    path = os.path.join(directory, META)
+    try:
+        with open(path, "rb") as f:
+            meta = json.loads(f.read())
+    except FileNotFoundError as e:
+        raise damaged(path, "the file is missing") from e
+    except OSError as e:
+        raise damaged(path, f"it cannot be read ({e.strerror or e})") from e
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise damaged(path, f"it is not JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
+    return check_meta(meta, path)
+
+
+def step_names(save_dir: str) -> list[int]:
+    """Every step directory in ``save_dir``, complete or not (a checkpoint is complete once renamed to its step).
+
+    Example:
+        >>> step_names("runs/demo/ckpt")
+        [50, 100]
+    """
+    try:
+        names = os.listdir(save_dir)
+    except OSError:
+        return []
+    return sorted(int(n) for n in names if n.isdigit() and n.isascii() and os.path.isdir(os.path.join(save_dir, n)))

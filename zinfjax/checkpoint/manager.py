@@ -17,6 +17,7 @@ import ctypes.util
 import os
 import shutil
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -24,7 +25,9 @@ import numpy as np
 
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import CheckpointNotFoundError, CheckpointSaveError
+from zinfjax.checkpoint.identity import new_run_id
 from zinfjax.checkpoint.snapshot import Part, Snapshot, parts_of
+from zinfjax.checkpoint.verify import DELETING, leftovers
 from zinfjax.distributed import barrier
 from zinfjax.store.disk import free_bytes, is_disk_full
 from zinfjax.store.manifest import fsync_dir
@@ -41,11 +44,13 @@ class CheckpointManager:
         >>> state = zinfjax.wrap(train_state, config, restore="runs/ckpt")   # later, any mesh or tiers
     """
 
-    def __init__(self, directory: str, keep: int = 3, config=None, model=None):
+    def __init__(self, directory: str, keep: int = 3, config=None, model=None, run_id: str | None = None):
         if keep < 1:
             raise CheckpointSaveError(f"keep={keep}: a manager keeps at least the newest checkpoint (keep >= 1)")
         self.directory, self.keep = os.path.abspath(directory), keep
         self.config, self.model = config, model
+        self.run_id = run_id  # the run these checkpoints belong to; made at the first save when not given
+        self.protect: int | None = None  # a step pruning keeps even beyond `keep` (see zinfjax.train.Saver)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="zinf-ckpt")
         self._pending: Future | None = None
         self.last_error: CheckpointSaveError | None = None  # of the previous save, reported by `save`
@@ -61,10 +66,9 @@ class CheckpointManager:
         except OSError as e:
             raise CheckpointSaveError(f"cannot write checkpoints to {self.directory}: {e.strerror}; choose a "
                                       "writable save_dir") from e
-        if jax.process_index() == 0:  # a save cut short by a crash left its temporary directory
-            for name in os.listdir(self.directory):
-                if name.startswith(".tmp-"):
-                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        if jax.process_index() == 0:  # a save or a deletion cut short by a crash left its directory
+            for name in leftovers(self.directory):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     # ---- saving ----------------------------------------------------------------------------------
 
@@ -133,7 +137,9 @@ class CheckpointManager:
                     "free some space or point save_dir at a larger disk")
         else:
             what = f"{e.strerror or e} ({getattr(e, 'filename', None) or self.directory}); check save_dir"
-        return CheckpointSaveError(f"checkpoint of step {step} failed: {what}; {kept}, and training can go on")
+        error = CheckpointSaveError(f"checkpoint of step {step} failed: {what}; {kept}, and training can go on")
+        error.step, error.reason = step, what
+        return error
 
     def _meta(self, engine, parts: list[Part], step: int, data_position: int | None) -> dict:
         tiers: dict[str, dict] = {}
@@ -155,6 +161,7 @@ class CheckpointManager:
             "processes": jax.process_count(),
             "devices": jax.device_count(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "run_id": self._run_id(),
             "config": config.to_dict(),
             "model": _model_dict(self.model),
             "tiers": tiers,
@@ -162,9 +169,24 @@ class CheckpointManager:
                       for item in fmt.ITEMS},
         }
 
+    def _run_id(self) -> str:
+        if self.run_id is None:
+            self.run_id = new_run_id()
+        return self.run_id
+
+    def prune(self) -> None:
+        """Deletes the checkpoints beyond the newest ``keep`` (but `protect`); a save does this itself."""
+        self.wait(raise_error=False)
+        if jax.process_index() == 0:  # as in a save: one process deletes
+            self._prune()
+
     def _prune(self) -> None:
         for old in self.steps()[: -self.keep]:
-            shutil.rmtree(fmt.step_dir(self.directory, old), ignore_errors=True)
+            if old != self.protect:
+                try:
+                    discard(fmt.step_dir(self.directory, old))
+                except OSError:
+                    pass  # an old checkpoint that cannot be deleted stays whole; the new one is saved
 
     # ---- finding -----------------------------------------------------------------------------
 
@@ -222,10 +244,26 @@ def _write_metadata(tmp: str, parts: list[Part], meta: dict) -> None:
 
 def _commit(tmp: str, final: str) -> None:
     """Makes the checkpoint visible: one rename, then the parent directory made durable."""
+    replaced = None
     if os.path.exists(final):  # the same step saved again (a resumed run): the new one replaces it
-        shutil.rmtree(final)
+        replaced = _set_aside(final)
     os.rename(tmp, final)
     fsync_dir(os.path.dirname(final))
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+def discard(step_directory: str) -> None:
+    """Deletes a checkpoint: first renamed out of the step namespace, so a crash never leaves half of it there."""
+    shutil.rmtree(_set_aside(step_directory), ignore_errors=True)
+
+
+def _set_aside(step_directory: str) -> str:
+    parent, name = os.path.split(step_directory)
+    aside = os.path.join(parent, f"{DELETING}{name}-{uuid.uuid4().hex[:8]}")
+    os.rename(step_directory, aside)
+    fsync_dir(parent)  # the rename is durable before any file of the checkpoint goes
+    return aside
 
 
 def _syncfs(path: str) -> None:

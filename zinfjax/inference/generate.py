@@ -151,12 +151,17 @@ def generate(source, prompts, max_new_tokens: int, config: Config | None = None,
     config = config or Config()
     sampling = sampling or Sampling()
     prompts = check_prompts(prompts)
+    check_counts(max_new_tokens, len(prompts))
     if isinstance(source, str):
         _, model = checkpoint_model(source)
+    elif model is None:
+        raise ConfigError("generate from a parameter tree needs its model: generate(params, ..., model=config)")
+    check_prompts(prompts, model.vocab_size)
+    if sampling.top_k > model.vocab_size:
+        raise ConfigError(f"top_k={sampling.top_k} exceeds the model's vocabulary of {model.vocab_size}")
+    if isinstance(source, str):
         params = ParamStores.from_checkpoint(source, abstract_params(model), config)
     else:
-        if model is None:
-            raise ConfigError("generate from a parameter tree needs its model: generate(params, ..., model=config)")
         params = ParamStores.from_tree(source, config)
     try:
         gen = Generator(model, params, config, len(prompts), prompts.shape[1] + max_new_tokens)
@@ -169,15 +174,50 @@ def generate(source, prompts, max_new_tokens: int, config: Config | None = None,
     return GenerateResult([list(map(int, row)) for row in tokens], metrics)
 
 
-def check_prompts(prompts) -> np.ndarray:
-    """Prompts as a (B, T) int32 array; they must share one length (decode them in groups of equal length)."""
+def check_prompts(prompts, vocab_size: int | None = None) -> np.ndarray:
+    """Prompts as a (B, T) int32 array; they must share one length (decode them in groups of equal length).
+
+    With ``vocab_size``, every id must be a token of the vocabulary: an id outside it would be
+    embedded as garbage (JAX clamps out-of-range gathers) and decoded as nothing sensible.
+    """
     rows = [list(p) for p in prompts]
     if not rows or not rows[0]:
         raise ConfigError("no prompt: give at least one token")
     if len({len(r) for r in rows}) > 1:
         raise ConfigError(f"prompts of lengths {sorted({len(r) for r in rows})}: a batch decodes prompts of one "
                           "length; group them by length")
+    if vocab_size is not None:
+        bad = sorted({int(t) for r in rows for t in r if not 0 <= int(t) < vocab_size})
+        if bad:
+            raise ConfigError(f"prompt token id{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:10]))} "
+                              f"{'are' if len(bad) > 1 else 'is'} outside the model's vocabulary of {vocab_size} "
+                              f"(ids 0 to {vocab_size - 1})")
     return np.asarray(rows, np.int32)
+
+
+def check_counts(max_new_tokens: int, batch_size: int) -> None:
+    """Refuses a count of new tokens or of sequences below 1."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens} must be 1 or more")
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size {batch_size} must be 1 or more")
+
+
+def parse_ids(text: str) -> list[int]:
+    """``"1,2,3"`` as token ids; anything else is refused, naming the item.
+
+    Example:
+        >>> parse_ids("72, 105")
+        [72, 105]
+    """
+    ids = []
+    for item in text.split(","):
+        try:
+            ids.append(int(item.strip()))
+        except ValueError:
+            raise ConfigError(f"--prompt-ids {text!r}: {item.strip()!r} is not a token id; give comma-separated "
+                              "integers, e.g. --prompt-ids 72,105") from None
+    return ids
 
 
 @functools.cache

@@ -45,7 +45,7 @@ def checkpoint_model(path: str) -> tuple[str, ModelConfig]:
     if not model or "arch" not in model:
         raise CheckpointError(f"{directory} does not record its model (it was saved without one); save through "
                               "`zinfjax train` or `zinfjax convert`, which record it")
-    return directory, ModelConfig(**model)
+    return directory, ModelConfig.from_dict(model, f"the model recorded in {directory}")
 
 
 class ParamStores:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
+from zinfjax.config import MAX_SEED
 from zinfjax.errors import ConfigError
 
 
@@ -26,8 +28,10 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature} must be 0 (greedy) or positive")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"temperature={self.temperature} must be 0 (greedy) or a positive, finite number")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed={self.seed} must be between 0 and 2**63-1")
         if self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k} must be 0 (off) or positive")
         if not 0 < self.top_p <= 1:

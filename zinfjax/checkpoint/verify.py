@@ -1,0 +1,124 @@
+"""Which checkpoints of a save_dir are complete, corrupt or partial: every chunk's crc32c checked.
+
+A checkpoint is **complete** when its ``zinfjax.json`` passes its schema and every chunk of every
+leaf it lists is there, of the right size, with a matching crc32c. It is **corrupt** when a file
+is there but wrong (bad JSON, a checksum mismatch, a chunk of the wrong size), and **partial**
+when files are missing (a checkpoint half deleted by an older zinfjax, or copied in part). A save
+or a deletion cut short by a crash leaves a ``.tmp-<step>`` or ``.deleting-<step>`` directory
+outside the step namespace: partial too, and removed when the next run starts.
+
+Example:
+    >>> [c.describe() for c in verify_save_dir("runs/ckpt")]
+    ['step 4: complete', 'step 6: corrupt (crc32c mismatch in chunk file .../c/2/0: ...)']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+
+import numpy as np
+
+from zinfjax.checkpoint import format as fmt
+from zinfjax.checkpoint.errors import CheckpointCorruptError
+from zinfjax.store import chunkfile
+from zinfjax.store.nvme import aligned_empty
+
+COMPLETE, CORRUPT, PARTIAL = "complete", "corrupt", "partial"
+TMP, DELETING = ".tmp-", ".deleting-"  # a save, and a deletion, in progress (or cut short)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What `verify_checkpoint` found in one entry of a save_dir."""
+
+    name: str  # the entry: "6", or ".tmp-8" for a save cut short
+    step: int | None
+    state: str  # COMPLETE, CORRUPT or PARTIAL
+    reason: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.state == COMPLETE
+
+    def describe(self) -> str:
+        what = f"step {self.step}" if self.name.isdigit() else self.name
+        return f"{what}: {self.state}" + (f" ({self.reason})" if self.reason else "")
+
+
+def verify_checkpoint(directory: str, checksums: bool = True) -> Checked:
+    """Checks one checkpoint: its metadata, and every chunk's presence, size and (with ``checksums``) crc32c."""
+    name = os.path.basename(os.path.normpath(directory))
+    step = int(name) if name.isascii() and name.isdigit() else None
+    found = _problem(directory, step, checksums)
+    return Checked(name, step, COMPLETE) if found is None else Checked(name, step, *found)
+
+
+def verify_save_dir(save_dir: str, checksums: bool = True) -> list[Checked]:
+    """Every checkpoint in ``save_dir``, oldest first, then the saves and deletions that were cut short."""
+    out = [verify_checkpoint(fmt.step_dir(save_dir, s), checksums) for s in fmt.step_names(save_dir)]
+    for name in sorted(leftovers(save_dir)):
+        why = ("a save cut short; removed when the next run starts" if name.startswith(TMP)
+               else "a deletion cut short; removed when the next run starts")
+        out.append(Checked(name, None, PARTIAL, why))
+    return out
+
+
+def leftovers(save_dir: str) -> list[str]:
+    """The ``.tmp-*`` and ``.deleting-*`` directories that a crash left in ``save_dir``."""
+    try:
+        return [n for n in os.listdir(save_dir) if n.startswith((TMP, DELETING))]
+    except OSError:
+        return []
+
+
+def _problem(directory: str, step: int | None, checksums: bool) -> tuple[str, str] | None:
+    """``(state, reason)`` of the first thing wrong with the checkpoint, or None."""
+    if not os.path.isfile(os.path.join(directory, fmt.META)):
+        return PARTIAL, f"no {fmt.META}: never finished, or half deleted"
+    try:
+        meta = fmt.read_meta(directory)
+    except CheckpointCorruptError as e:
+        return CORRUPT, getattr(e, "detail", str(e))
+    if step is not None and meta["step"] != step:
+        return CORRUPT, f"{fmt.META} records step {meta['step']}"
+    slots: dict[int, np.ndarray] = {}
+    for item in fmt.ITEMS:
+        if not os.path.isfile(os.path.join(directory, item, fmt.ORBAX_METADATA)):
+            return PARTIAL, f"{item}/{fmt.ORBAX_METADATA} is missing"
+        for leaf, m in meta["items"][item].items():
+            found = _leaf_problem(os.path.join(directory, item, leaf), m, slots, checksums)
+            if found is not None:
+                return found[0], f"{item}/{leaf}: {found[1]}"
+    return None
+
+
+def _leaf_problem(leaf_dir: str, meta: dict, slots: dict, checksums: bool) -> tuple[str, str] | None:
+    if not os.path.isfile(os.path.join(leaf_dir, "zarr.json")):
+        return PARTIAL, "zarr.json is missing"
+    nbytes = math.prod(meta["chunk_shape"]) * np.dtype(meta["dtype"]).itemsize
+    grid = [range(-(-n // c)) for n, c in zip(meta["shape"], meta["chunk_shape"], strict=True)]
+    for index in itertools.product(*grid):
+        path = chunkfile.chunk_path(leaf_dir, index)
+        where = "c/" + "/".join(map(str, index)) if index else "c"
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return PARTIAL, f"chunk {where} is missing"
+        except OSError as e:
+            return CORRUPT, f"chunk {where} cannot be read ({e.strerror})"
+        if size != nbytes + chunkfile.CHECKSUM_BYTES:  # before any buffer is sized from the metadata
+            return CORRUPT, f"chunk {where} holds {size} bytes, not {nbytes + chunkfile.CHECKSUM_BYTES}"
+        if checksums:
+            if nbytes not in slots:
+                slots.clear()  # one buffer at a time: a leaf's chunks share a size
+                slots[nbytes] = aligned_empty((chunkfile.slot_bytes(nbytes),), np.uint8, chunkfile.BLOCK)
+            try:
+                chunkfile.read_chunk(path, slots[nbytes], nbytes)
+            except chunkfile.ChunkCorruptError:
+                return CORRUPT, f"chunk {where}: crc32c mismatch"
+            except OSError as e:
+                return CORRUPT, f"chunk {where} cannot be read ({e.strerror})"
+    return None
