@@ -65,7 +65,7 @@ class BertMLM(nn.Module):
                          in_axes=nn.broadcast, length=c.depth)
         h, _ = layers(c, name="layers")(h, mask)
         h = nn.LayerNorm(name="mlm_norm")(nn.gelu(nn.Dense(c.width, name="mlm_dense")(h)))
-        return embed.attend(h) + self.param("mlm_bias", nn.initializers.zeros, (c.vocab,))  # tied decoder
+        return embed.attend(h) + self.param("mlm_bias", nn.initializers.zeros, (1, 1, c.vocab))  # tied decoder
 
 
 def batch_of(config: BertConfig, size: int, seed: int, tokens=None) -> dict:

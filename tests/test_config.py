@@ -76,7 +76,8 @@ def test_deepspeed_config_is_mapped(tmp_path):
     path.write_text(json.dumps(ds))
     c = Config.from_file(str(path))
     assert (c.stage, c.params, c.optimizer, c.nvme_path) == (3, "nvme", "host", str(tmp_path))
-    assert (c.batch_size, c.grad_accum, c.grad_clip, c.precision) == (4, 2, 1.0, "bf16")
+    assert (c.micro_batch_size, c.grad_accum, c.grad_clip, c.precision) == (4, 2, 1.0, "bf16")
+    assert c.batch_size == 0 and c.with_batch_for(2).batch_size == 4 * 2 * 2  # micro x accumulation x data
     assert (c.optimizer_name, c.lr, c.weight_decay, c.prefetch_depth) == ("adamw", 1e-4, 0.1, 4)
     assert c.host_buffer_bytes == 2 * 10**8 * 5
 
@@ -188,3 +189,69 @@ def test_deepspeed_values_are_checked_by_type(tmp_path, ds, message):
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     with pytest.raises(ConfigError, match=message):
         Config.from_file(str(tmp_path / "ds.json"))
+
+
+def ds_file(tmp_path, **ds):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 0}, **ds}))
+    return str(path)
+
+
+def test_deepspeed_batch_keys_mean_what_deepspeed_means(tmp_path):
+    """The global batch is micro x accumulation x data-parallel size; train_batch_size must agree."""
+    c = Config.from_file(ds_file(tmp_path, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2))
+    assert c.with_batch_for(1).batch_size == 8 and c.with_batch_for(4).batch_size == 32
+    c = Config.from_file(ds_file(tmp_path, train_batch_size=16, gradient_accumulation_steps=2))
+    assert c.with_batch_for(4).batch_size == 16 and c.micro_batch_size is None
+    c = Config.from_file(ds_file(tmp_path, train_batch_size=10, train_micro_batch_size_per_gpu=4,
+                                 gradient_accumulation_steps=2))
+    with pytest.raises(ConfigError, match=r"train_batch_size\) 10 disagrees with .* 4 x .* 2 x data-parallel "
+                                          r"size 1 = 8; make them agree"):
+        c.with_batch_for(1)
+
+
+@pytest.mark.parametrize("scheduler,keys", [
+    ({"type": "WarmupLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 2e-3, "warmup_num_steps": 5}},
+     dict(lr=2e-3, warmup_start_lr=1e-5, warmup_steps=5, warmup_type="log", lr_decay="constant")),
+    ({"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 2, "total_num_steps": 9,
+                                          "warmup_type": "linear"}},
+     dict(lr=1e-3, warmup_steps=2, warmup_type="linear", lr_decay="linear", final_lr=0.0, steps=9)),
+    ({"type": "WarmupCosineLR", "params": {"warmup_num_steps": 3, "total_num_steps": 12, "cos_min_ratio": 0.1}},
+     dict(lr=4e-3, warmup_steps=3, lr_decay="cosine", final_lr=4e-4, steps=12)),
+])
+def test_deepspeed_schedulers_map_to_warmup_and_decay(tmp_path, scheduler, keys):
+    c = Config.from_file(ds_file(tmp_path, scheduler=scheduler,
+                                 optimizer={"type": "AdamW", "params": {"lr": 4e-3}}))
+    assert {k: getattr(c, k) for k in keys} == pytest.approx(keys)
+
+
+def test_an_unsupported_deepspeed_scheduler_lists_the_supported_ones(tmp_path):
+    with pytest.raises(ConfigError, match="scheduler type OneCycle is not supported; use one of WarmupLR, "
+                                          "WarmupDecayLR, WarmupCosineLR"):
+        Config.from_file(ds_file(tmp_path, scheduler={"type": "OneCycle", "params": {}}))
+
+
+def test_a_deepspeed_config_trains_as_its_zinfjax_equivalent(tmp_path):
+    """The same losses from a DeepSpeed config and the zinfjax config it means (batch, accumulation, schedule)."""
+    from zinfjax.train import run
+
+    ds = Config.from_file(ds_file(
+        tmp_path, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+        optimizer={"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        scheduler={"type": "WarmupDecayLR", "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 2,
+                                                       "total_num_steps": 4, "warmup_type": "linear"}}))
+    ds = ds.replace(mesh="data:2", seq_len=16)
+    same = Config(batch_size=8, grad_accum=2, lr=3e-3, weight_decay=0.01, warmup_steps=2, lr_decay="linear",
+                  steps=4, mesh="data:2", seq_len=16)
+    a, b = run(ds, progress=False), run(same, progress=False)
+    assert a["config"]["batch_size"] == 8
+    assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]]
+    assert [s["lr"] for s in a["steps"]] == [s["lr"] for s in b["steps"]] == pytest.approx([0, 1.5e-3, 3e-3, 1.5e-3])
+
+
+def test_a_warmup_longer_than_the_run_is_accepted_with_a_warning(capsys):
+    from zinfjax.train import run
+
+    log = run(Config(steps=2, warmup_steps=5, seq_len=16, mesh="data:1"), progress=False)
+    assert len(log["steps"]) == 2
+    assert "warmup_steps=5 is longer than the run (steps=2)" in capsys.readouterr().err

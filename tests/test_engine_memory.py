@@ -5,6 +5,10 @@ defaults), so each peak RSS belongs to one configuration alone; the JSON log rec
 initialisation and of every step. The models are wide enough that their state (fp32 params +
 Adam m, v) dwarfs what a JAX process needs anyway: doubling the layers, or the vocabulary, adds
 more state than 10% of the peak, and must raise the peak by less than 10%.
+
+The smaller model already has more layers (16) and vocabulary chunks (16) than the engine holds at
+once (its read-ahead, the computations queued behind it and the writes in flight: about 11 slices
+at the budget given here), so the comparison is of the steady state.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import pytest
 from zinfjax.models import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WIDE = dict(d_model=512, max_seq_len=64, n_heads=8, d_ff=2048)
+WIDE = dict(d_model=384, max_seq_len=64, n_heads=6, d_ff=1536)
 
 
 def train(model: ModelConfig, tmp_path, name: str) -> dict:
@@ -66,14 +70,13 @@ def assert_flat(small: dict, large: dict, what: str) -> None:
 @pytest.mark.slow
 def test_peak_rss_does_not_grow_with_layers_when_state_is_on_nvme(tmp_path):
     base = ModelConfig.named("gpt2-mini").replace(vocab_size=256, **WIDE)
-    assert_flat(train(base.replace(n_layers=8), tmp_path, "l8"), train(base.replace(n_layers=16), tmp_path, "l16"),
+    assert_flat(train(base.replace(n_layers=16), tmp_path, "l16"), train(base.replace(n_layers=32), tmp_path, "l32"),
                 "doubling the layers")
 
 
 @pytest.mark.slow
 def test_peak_rss_does_not_grow_with_the_vocabulary_when_state_is_on_nvme(tmp_path):
-    """The embedding and tied head stream in chunks of about 8 MiB, so a larger vocabulary is more chunks."""
+    """The embedding and tied head stream in row chunks of one size (3 MiB), so a larger vocabulary is more chunks."""
     base = ModelConfig.named("gpt2-mini").replace(n_layers=2, **WIDE)
-    small, large = base.replace(vocab_size=32768), base.replace(vocab_size=65536)
-    assert (small.chunks, large.chunks) == (8, 16)
+    small, large = base.replace(vocab_size=32768, vocab_chunks=16), base.replace(vocab_size=65536, vocab_chunks=32)
     assert_flat(train(small, tmp_path, "v32k"), train(large, tmp_path, "v64k"), "doubling the vocabulary")

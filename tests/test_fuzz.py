@@ -15,14 +15,15 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from zinfjax import Config
+from zinfjax import Config, models
 from zinfjax.checkpoint import CheckpointSource, inspect
 from zinfjax.checkpoint.resume import plan_start
 from zinfjax.cli import main
 from zinfjax.errors import UserError
-from zinfjax.inference.generate import abstract_params
 from zinfjax.inference.params import checkpoint_model
 from zinfjax.models import ModelConfig
+from zinfjax.optim import make_optimizer
+from zinfjax.train import lm_program
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 TINY = dict(model="gpt2-tiny", batch_size=2, seq_len=16, mesh="data:1")
@@ -132,7 +133,8 @@ def every_reader(save_dir, out) -> None:
     only_user_errors(checkpoint_model, save_dir)
     only_user_errors(plan_start, Config(save_dir=save_dir, resume=True, **TINY), model)
     only_user_errors(plan_start, Config(save_dir=save_dir, **TINY), model)
-    only_user_errors(CheckpointSource, save_dir, abstract_params(model))
+    program, plan = lm_program(models.build(model), Config(**TINY), make_optimizer(Config(**TINY)))
+    only_user_errors(CheckpointSource, save_dir, program, plan)
     only_user_errors(inspect.export_params, save_dir, out)
     shutil.rmtree(out, ignore_errors=True)
 

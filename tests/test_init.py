@@ -111,3 +111,48 @@ def test_sigkill_during_initialisation_leaves_nothing_a_resume_mistakes_for_a_st
     assert out.returncode == 0, out.stderr
     assert "no checkpoint" in out.stderr and "starting from step 0" in out.stderr
     assert [s["step"] for s in json.loads((tmp_path / "log.json").read_text())["steps"]] == [1, 2]
+
+
+@pytest.mark.parametrize("name,init", [
+    ("normal", lambda k: jax.random.normal(k, (1000, 8)) * 0.02),
+    ("flax Embed", lambda k: nn.Embed(1000, 8).init(k, jnp.zeros((1,), jnp.int32))["params"]["embedding"]),
+    ("truncated normal", lambda k: jax.nn.initializers.truncated_normal(0.02)(k, (1000, 8))),
+    ("uniform", lambda k: jax.random.uniform(k, (1000, 8), minval=-1, maxval=1)),
+    ("bf16 normal", lambda k: jax.random.normal(k, (1000, 8), jnp.bfloat16)),
+])
+def test_row_chunks_of_a_table_are_bitwise_its_rows_without_the_whole(name, init):
+    """Row chunks (the last one past the end, zero-padded) equal the whole table's rows, bit for bit."""
+    from zinfjax.program import jaxpr as jx
+    from zinfjax.program.rows import row_chunk
+
+    key = jax.random.key(3)
+    closed, _ = jx.trace(init, jax.ShapeDtypeStruct((), key.dtype))
+    whole = np.asarray(jax.jit(init)(key))
+    chunk = jax.jit(lambda k, lo: row_chunk(closed, closed.jaxpr.outvars[0], k, lo, 300))
+    for lo in (0, 300, 900):
+        want = np.zeros((300, 8), whole.dtype)
+        want[: min(300, 1000 - lo)] = whole[lo : lo + 300]
+        np.testing.assert_array_equal(np.asarray(chunk(key, lo)), want)
+
+
+def test_a_table_from_non_row_wise_code_is_refused_by_row_chunk():
+    from zinfjax.program import jaxpr as jx
+    from zinfjax.program.rows import Unsliceable, row_chunk
+
+    key = jax.random.key(0)
+    closed, _ = jx.trace(lambda k: jax.random.normal(k, (8, 1000)).T, jax.ShapeDtypeStruct((), key.dtype))
+    with pytest.raises(Unsliceable, match="transpose"):
+        row_chunk(closed, closed.jaxpr.outvars[0], key, 0, 300)
+
+
+def test_the_embedding_initialises_chunk_by_chunk():
+    """GPT-2's table never exists whole at initialisation: its source computes each chunk alone."""
+    from zinfjax.optim import make_optimizer
+    from zinfjax.program.init import InitSource
+    from zinfjax.train import lm_program
+
+    built, c = models.build("gpt2-tiny"), config(mesh="data:1")
+    program, _ = lm_program(built, c, make_optimizer(c))
+    source = InitSource(program, lm_init(built), jax.random.key(0))
+    (wte,) = [leaf for leaf in program.leaves if leaf.path.endswith("wte/embedding")]
+    assert wte.stream.rows and source._chunk_fn(wte.index) is not None

@@ -4,13 +4,16 @@ The reference keeps fp32 master weights, runs the loss on their bf16 (or fp16) c
 loss by the fp16 loss scale, unscales the fp32 gradients, skips a step whose gradients are not
 finite, and updates the master with optax: what the engine does, one layer at a time.
 
-Tolerances, and why. The engine's per-layer VJPs round in the compute dtype in another order than
-the whole model's VJP (XLA fuses each function on its own), and bf16 keeps 8 bits of mantissa:
-a relative spacing of 2^-7. Measured over 10 steps of GPT-2 (tiny) at lr 1e-3 with every tier on
-NVMe: losses within 1.2e-4 (bf16) and 4.4e-5 (fp16) relative, parameters within 1.9e-3 and 6.4e-4
-(whole-tree relative L2, GPT-2's zero-gradient key bias left out). The tests allow 5x that, and
-check that this is far below what the precision itself changes: the same run in fp32 differs from
-the bf16 reference by more than 10 times the engine's difference.
+Tolerances, and why. XLA's CPU backend computes bf16 and fp16 arithmetic in fp32 and rounds to the
+compute dtype where a value leaves a fused computation, so where values are rounded depends on how
+XLA fuses each jitted function: the engine's per-layer functions and the whole-model step round in
+different places. bf16 keeps 8 bits of mantissa (a relative spacing of 2^-7), fp16 11. Measured
+over 10 steps of GPT-2 (tiny) at lr 1e-3 with every tier on NVMe, engine against the mixed
+reference: losses within 1.2e-4 (bf16) and 4.4e-5 (fp16) relative, parameters within 1.9e-3 and
+6.4e-4 (whole-tree relative L2, GPT-2's zero-gradient key bias left out). The reference itself is
+2.1e-3 (bf16) and 7.2e-4 (fp16) from the same run in fp32, and the engine 1.4e-3 and 4.6e-4: the
+engine loses no more to the compute dtype than the reference does. The tests allow 5x the measured
+differences, and check the last point with a margin of 25%.
 """
 
 from __future__ import annotations
@@ -80,8 +83,8 @@ def test_mixed_precision_engine_equals_the_in_memory_mixed_loop(tmp_path, precis
     error = relative_error(ref_master, master)
     assert error < param_tol
     assert scale == ref_scale
-    fp32_losses, fp32_master, _ = mixed_reference(c.replace(precision="fp32"))
-    assert relative_error(fp32_master, ref_master) > 10 * error  # the tolerance is far below the precision's effect
+    _, fp32_master, _ = mixed_reference(c.replace(precision="fp32"))
+    assert relative_error(fp32_master, master) < 1.25 * relative_error(fp32_master, ref_master)
 
 
 def fp16_engine(tmp_path, **kw):
@@ -111,7 +114,7 @@ def test_fp16_scale_doubles_after_its_window_of_good_steps(tmp_path):
     c, engine = fp16_engine(tmp_path)
     data = batches(c)
     try:
-        engine.loss_scale.window = 2
+        engine.loss_scale.scale, engine.loss_scale.window = 2.0**10, 2  # far from overflow, so no step is skipped
         start = engine.loss_scale.scale
         scales = []
         for _ in range(4):

@@ -61,7 +61,8 @@ class Config:
     model: str = "gpt2-tiny"
     data: str = "demo"
     steps: int = 100
-    batch_size: int = 8
+    batch_size: int = 8  # the global batch; 0 with micro_batch_size: micro x grad_accum x data-parallel size
+    micro_batch_size: int | None = None  # DeepSpeed's train_micro_batch_size_per_gpu
     seq_len: int = 64
     lr: float = 3e-4
     optimizer_name: str = "adamw"
@@ -142,6 +143,27 @@ class Config:
         return dataclasses.asdict(self)
 
     # ---- derived -------------------------------------------------------------------------------
+
+    def with_batch_for(self, data: int) -> Config:
+        """This config with its global batch settled for a data axis of ``data`` devices.
+
+        With ``micro_batch_size`` (DeepSpeed's ``train_micro_batch_size_per_gpu``) the global batch is
+        ``micro_batch_size * grad_accum * data``, as in DeepSpeed; a ``batch_size`` (DeepSpeed's
+        ``train_batch_size``) that disagrees is refused with the arithmetic.
+
+        Example:
+            >>> Config(micro_batch_size=4, grad_accum=2, batch_size=0).with_batch_for(2).batch_size
+            16
+        """
+        if self.micro_batch_size is None:
+            return self
+        want = self.micro_batch_size * self.grad_accum * data
+        if self.batch_size not in (0, want):
+            raise ConfigError(
+                f"batch_size (train_batch_size) {self.batch_size} disagrees with micro_batch_size "
+                f"(train_micro_batch_size_per_gpu) {self.micro_batch_size} x grad_accum (gradient_accumulation_steps) "
+                f"{self.grad_accum} x data-parallel size {data} = {want}; make them agree")
+        return self.replace(batch_size=want)
 
     def mesh_axes(self) -> dict[str, int]:
         """The mesh as ``{"data": 4, "model": 2}``; ``-1`` means every remaining device."""
@@ -344,8 +366,12 @@ def _validate(c: Config) -> None:
         c.optimizer_name in OPTIMIZERS,
         f"optimizer_name={c.optimizer_name!r} is not allowed; use one of {', '.join(OPTIMIZERS)}",
     )
-    for key in ("steps", "batch_size", "seq_len", "max_nonfinite_steps"):
+    for key in ("steps", "seq_len", "max_nonfinite_steps"):
         _check(getattr(c, key) >= 1, f"{key}={getattr(c, key)} must be 1 or more")
+    _check(c.micro_batch_size is None or c.micro_batch_size >= 1,
+           f"micro_batch_size={c.micro_batch_size} must be 1 or more")
+    _check(c.batch_size >= 1 or (c.batch_size == 0 and c.micro_batch_size),
+           f"batch_size={c.batch_size} must be 1 or more (0 only with micro_batch_size: the batch follows from it)")
     _check(math.isfinite(c.lr) and c.lr > 0, f"lr={c.lr} must be a positive, finite number, e.g. 3e-4")
     _check(math.isfinite(c.weight_decay) and c.weight_decay >= 0,
            f"weight_decay={c.weight_decay} must be 0 (off) or a positive, finite number")
@@ -387,7 +413,10 @@ KEY_DOCS = {
              "JSON/YAML file, or a zinfjax checkpoint directory whose model to train (zinfjax convert writes one)",
     "data": "demo (embedded corpus), a .bin uint16 token file, a .txt file, a directory or a glob",
     "steps": "optimizer steps to run",
-    "batch_size": "sequences per optimizer step (split over micro-batches and the data axis)",
+    "batch_size": "sequences per optimizer step (split over micro-batches and the data axis); 0 with "
+                  "micro_batch_size: micro_batch_size x grad_accum x data-parallel size",
+    "micro_batch_size": "sequences per micro-step per data-parallel rank (DeepSpeed's "
+                        "train_micro_batch_size_per_gpu); sets the global batch with grad_accum and the data axis",
     "seq_len": "tokens per sequence",
     "lr": "learning rate",
     "optimizer_name": f"optax optimizer: {', '.join(OPTIMIZERS)}",

@@ -29,8 +29,9 @@ NO_EFFECT = {
     "offload_param": {"pin_memory", "max_in_cpu"},
     "offload_optimizer": {"pin_memory", "fast_init", "buffer_count", "pipeline_read", "pipeline_write", "ratio"},
     "top": {"aio", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
-            "train_batch_size", "gradient_accumulation_dtype", "communication_data_type"},
+            "gradient_accumulation_dtype", "communication_data_type"},
 }
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
 def from_deepspeed(ds: dict[str, Any], source: str = "DeepSpeed config") -> dict[str, Any]:
@@ -52,6 +53,9 @@ def from_deepspeed(ds: dict[str, Any], source: str = "DeepSpeed config") -> dict
             f"{source}: these DeepSpeed keys are not supported by zinfjax: {', '.join(map(printable, unsupported))}; "
             f"remove them (docs/config.md lists the mapping)"
         )
+    _ratios(out)
+    if "micro_batch_size" in out and "batch_size" not in out:
+        out["batch_size"] = 0  # the global batch follows from the micro-batch once the mesh is known
     return out
 
 
@@ -146,6 +150,42 @@ def _plain(value: Any, where: str) -> Any:
         raise ConfigError(f"DeepSpeed {where}={value!r} must be a number or a list of numbers") from err
 
 
+def _scheduler(value: Any, out: dict, unsupported: list[str]) -> None:
+    """DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR as zinfjax's warmup and decay keys."""
+    value = _mapping(value, "scheduler")
+    kind = value.get("type")
+    if kind not in SCHEDULERS:
+        raise ConfigError(f"DeepSpeed scheduler type {printable(kind)} is not supported; use one of "
+                          f"{', '.join(SCHEDULERS)}, or remove the scheduler section")
+    params = _mapping(value.get("params", {}), "scheduler.params")
+    known = {"warmup_num_steps", "warmup_type", "total_num_steps", "last_batch_iteration"}
+    known |= {"warmup_min_ratio", "cos_min_ratio"} if kind == "WarmupCosineLR" else {"warmup_min_lr", "warmup_max_lr"}
+    unsupported.extend(f"scheduler.params.{k}" for k in sorted(set(params) - known))
+    out["warmup_steps"] = _count(params.get("warmup_num_steps", 1000), "scheduler.params.warmup_num_steps")
+    out["warmup_type"] = params.get("warmup_type", "log")
+    if "total_num_steps" in params:
+        out["steps"] = _count(params["total_num_steps"], "scheduler.params.total_num_steps")
+    if kind == "WarmupCosineLR":  # peak: the optimizer's lr; start and end as ratios of it
+        out["_warmup_ratio"] = _plain(params.get("warmup_min_ratio", 0.0), "scheduler.params.warmup_min_ratio")
+        out["_final_ratio"] = _plain(params.get("cos_min_ratio", 0.0001), "scheduler.params.cos_min_ratio")
+        out["lr_decay"] = "cosine"
+        return
+    out["warmup_start_lr"] = _plain(params.get("warmup_min_lr", 0.0), "scheduler.params.warmup_min_lr")
+    out["_peak_lr"] = _plain(params.get("warmup_max_lr", 0.001), "scheduler.params.warmup_max_lr")
+    out["lr_decay"] = "linear" if kind == "WarmupDecayLR" else "constant"
+    out["final_lr"] = 0.0
+
+
+def _ratios(out: dict) -> None:
+    """The scheduler's learning rates, once the optimizer's lr is known (DeepSpeed's warmup_max_lr overrides it)."""
+    if "_peak_lr" in out:
+        out["lr"] = out.pop("_peak_lr")
+    if "_warmup_ratio" in out:
+        lr = float(out.get("lr", 0.001))
+        out["warmup_start_lr"] = out.pop("_warmup_ratio") * lr
+        out["final_lr"] = out.pop("_final_ratio") * lr
+
+
 def _setter(key: str):
     def handle(value: Any, out: dict, unsupported: list[str]) -> None:
         out[key] = value
@@ -160,5 +200,8 @@ _TOP = {
     "optimizer": _optimizer,
     "gradient_clipping": _setter("grad_clip"),
     "gradient_accumulation_steps": _setter("grad_accum"),
-    "train_micro_batch_size_per_gpu": _setter("batch_size"),
+    # DeepSpeed's batch: micro-batch per data-parallel rank x accumulation steps x data-parallel size = global
+    "train_micro_batch_size_per_gpu": _setter("micro_batch_size"),
+    "train_batch_size": _setter("batch_size"),
+    "scheduler": _scheduler,
 }

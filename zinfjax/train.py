@@ -163,6 +163,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     initialize_from_env()
     main = is_main_process()
     started = time.perf_counter()
+    config = config.with_batch_for(make_mesh(config.mesh_axes()).shape["data"])  # DeepSpeed's micro-batch
     if config.log and main:
         check_writable_file(config.log, "log")
     model_config = models.ModelConfig.resolve(config.model)

@@ -61,22 +61,22 @@ class CheckpointSource:
                 f"the checkpoint {self.directory} has format version {self.meta.get('format_version', 1)}; this "
                 f"zinfjax reads version {fmt.FORMAT_VERSION} (its parameters restore with plain orbax: "
                 "ocp.PyTreeCheckpointer().restore(<checkpoint>/params))")
-        problems = []
+        missing, extra, shapes = [], [], []
         for item, wanted in expected_items(self.program, self.plan).items():
             saved = self.meta["items"].get(item, {})
-            problems += [f"{item}/{n}: missing from the checkpoint" for n in sorted(set(wanted) - set(saved))]
-            problems += [f"{item}/{n}: in the checkpoint but not in this run" for n in sorted(set(saved) - set(wanted))]
-            for n in sorted(set(saved) & set(wanted)):
-                if list(saved[n]["shape"]) != wanted[n]["shape"]:
-                    problems.append(f"{item}/{n}: checkpoint {saved[n]['dtype']}{saved[n]['shape']}, run "
-                                    f"{wanted[n]['dtype']}{wanted[n]['shape']}")
+            missing += [f"{item}/{n}: missing from the checkpoint" for n in sorted(set(wanted) - set(saved))]
+            extra += [f"{item}/{n}: in the checkpoint but not in this run" for n in sorted(set(saved) - set(wanted))]
+            shapes += [f"{item}/{n}: checkpoint {saved[n]['dtype']}{saved[n]['shape']}, run "
+                       f"{wanted[n]['dtype']}{wanted[n]['shape']}"
+                       for n in sorted(set(saved) & set(wanted)) if list(saved[n]["shape"]) != wanted[n]["shape"]]
+        problems = missing + extra + shapes
         if problems:
-            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-            shown = "\n  ".join(problems[:20]) + more
+            shown = missing[:2] + extra[:2] + shapes[:2]  # a few of each kind, on one line
+            more = f"; and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
             raise CheckpointMismatchError(
                 f"the checkpoint {self.directory} was saved from another model or optimizer "
-                f"({len(problems)} leaves differ):\n  {shown}\nrestore it with the model and optimizer it was "
-                "trained with (zinfjax ckpt info shows them), or start without restoring")
+                f"({len(problems)} leaves differ: {'; '.join(shown)}{more}); restore it with the model and "
+                "optimizer it was trained with (zinfjax ckpt info shows them), or start without restoring")
 
     # ---- the source interface ------------------------------------------------------------------
 

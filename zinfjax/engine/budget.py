@@ -7,8 +7,11 @@ XLA's compiler, and splits the rest:
 
 - ``host_buffer_bytes``: staging for writes (and, off the CPU backend, reads) to NVMe: room for
   two slices' writes in flight, and at least one;
-- ``prefetch_depth``: how many operations' reads run ahead of compute (1 to 4): what the rest of
-  the budget holds, at the size of the largest operation's reads.
+- writes in flight: slices handed to a tier and not yet staged, which the engine still holds: two
+  slices' worth;
+- ``prefetch_depth``: how many operations' reads run ahead of compute (1 to 4), and as many
+  computations may be queued behind it: what the rest of the budget holds, at three times the size
+  of the largest operation's reads (its reads ahead, and a queued operation's inputs and outputs).
 
 A key set explicitly is kept. A budget too small for even one slice in flight is refused before
 anything is written, naming the smallest budget that would work (docs/engine.md, "Memory").
@@ -37,6 +40,9 @@ COMPILE_RESERVE = 192 << 20
 MARGIN_FRACTION = 0.08
 MARGIN_MIN = 64 << 20
 MAX_DEPTH = 4
+# What one step of read-ahead costs: an operation's reads ahead of compute, and, as many computations
+# are let run ahead of the loop, one more operation's inputs and outputs (engine.py, `_run`).
+LIVE_PER_DEPTH = 3
 MIN_BUFFERS = 1 << 20
 
 
@@ -53,6 +59,7 @@ class BudgetPlan:
     baseline: int
     prefetch_depth: int
     host_buffer_bytes: int
+    write_bytes_in_flight: int  # slices handed to a tier and not yet written, which the engine still holds
 
     def describe(self) -> str:
         return (f"memory budget {format_bytes(self.limit)} ({self.source}): {format_bytes(self.baseline)} at start, "
@@ -117,21 +124,24 @@ def plan_budget(config, read_bytes: int, write_bytes: int, resident: int = 0,
     else:
         limit, source = default_limit()
     baseline = rss.current_bytes() if baseline is None else baseline
-    least = baseline + resident + COMPILE_RESERVE + write_bytes + 3 * read_bytes
+    least = baseline + resident + COMPILE_RESERVE + write_bytes + LIVE_PER_DEPTH * read_bytes
     if limit < least:
         held = f", {format_bytes(resident)} of state held in memory" if resident else ""
         raise MemoryBudgetError(
             f"a memory budget of {format_bytes(limit)} ({source}) cannot train this model: the process holds "
-            f"{format_bytes(baseline)} already{held}, and one step needs {format_bytes(3 * read_bytes)} of reads and "
-            f"{format_bytes(write_bytes)} of staged writes besides the compiler's {format_bytes(COMPILE_RESERVE)}; "
+            f"{format_bytes(baseline)} already{held}, and one step needs "
+            f"{format_bytes(LIVE_PER_DEPTH * read_bytes)} for a layer read ahead and one computing, and "
+            f"{format_bytes(write_bytes)} for a staged write, besides the compiler's {format_bytes(COMPILE_RESERVE)}; "
             f"the smallest budget that would work is {format_bytes(least)} (set memory_limit, move state to nvme, or "
             "give the process more memory)")
     spare = limit - baseline - resident - COMPILE_RESERVE
     buffers = config.host_buffer_bytes or max(write_bytes, min(2 * write_bytes, spare // 4), MIN_BUFFERS)
+    in_flight = 2 * max(write_bytes, read_bytes // 2, MIN_BUFFERS)
     depth = config.prefetch_depth
     if depth is None:
-        depth = int(max(1, min(MAX_DEPTH, (spare - buffers - 2 * read_bytes) // max(read_bytes, 1))))
-    return BudgetPlan(limit, source, baseline, depth, int(buffers))
+        room = (spare - buffers - in_flight) // max(LIVE_PER_DEPTH * read_bytes, 1)
+        depth = int(max(1, min(MAX_DEPTH, room)))
+    return BudgetPlan(limit, source, baseline, depth, int(buffers), int(in_flight))
 
 
 def with_defaults(config, prefetch_depth: int = 2, host_buffer_bytes: int = 256 << 20):

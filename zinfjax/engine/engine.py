@@ -50,7 +50,6 @@ from zinfjax.program.stages import StageFunctions, differentiable, zero_cotangen
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-WRITES_PER_LAYER = 4  # the most one layer's step issues: params, opt, master, and acts or grads
 
 
 class BatchError(UserError):
@@ -137,7 +136,7 @@ class Engine:
         self.tracer = None  # a zinfjax.engine.trace.Tracer while one is attached
         self._writes: collections.deque = collections.deque()
         self._computing: collections.deque = collections.deque()  # outputs of stage functions not yet waited on
-        self._max_writes = WRITES_PER_LAYER * max(2, config.prefetch_depth)
+        self._writing = 0  # bytes of the writes in flight
         self._telemetry: StepTelemetry | None = None
         self._steps_run = 0
         self.stores = build_stores(config, specs, acts)
@@ -261,15 +260,16 @@ class Engine:
         """``fn(*args)``, dispatched asynchronously; an attached tracer gets the dispatch time and the result.
 
         JAX's dispatch does not wait for compute, and reads that finish early would let this loop queue
-        every layer's computation at once, each holding its inputs. So at most ``prefetch_depth + 1``
-        computations are in flight: beyond that, it waits for the oldest (docs/design.md, invariant 2).
+        every layer's computation at once, each holding its inputs. So at most ``prefetch_depth``
+        computations (at least one) are in flight: beyond that, it waits for the oldest
+        (docs/design.md, invariant 2). The reads of the next operations stay in flight meanwhile.
         """
         t0 = time.perf_counter()
         out = fn(*args)
         if self.tracer is not None:
             self.tracer.compute(name, layer, t0, out)
         self._computing.append(out)
-        while len(self._computing) > self.config.prefetch_depth + 1:
+        while len(self._computing) > max(1, self.config.prefetch_depth):
             jax.block_until_ready(self._computing.popleft())
         return out
 
@@ -280,11 +280,15 @@ class Engine:
             self._telemetry.add_write(store)
         if self.tracer is not None:
             self.tracer.write(track, i, t0, future)
-        # A write holds its layer in memory until it lands; without a bound, a disk slower than
+        # A write holds its slice in memory until it lands; without a bound, a disk slower than
         # compute would let that backlog grow with the number of layers (docs/design.md, invariant 2).
-        self._writes.append(future)
-        while self._writes and (self._writes[0].done() or len(self._writes) > self._max_writes):
-            self._writes.popleft().exception()  # errors surface at the next flush
+        # The bound is in bytes, from the memory budget, so it holds whatever the size of a layer.
+        self._writes.append((future, store.layer_nbytes))
+        self._writing += store.layer_nbytes
+        while self._writes and (self._writes[0][0].done() or self._writing > self.budget.write_bytes_in_flight):
+            done, nbytes = self._writes.popleft()
+            self._writing -= nbytes
+            done.exception()  # errors surface at the next flush
 
     # ---- reading the state back --------------------------------------------------------------
 

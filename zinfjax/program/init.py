@@ -3,10 +3,11 @@
 ``init_fn(rng) -> params`` (for Flax, ``lambda rng: model.init(rng, example)["params"]``) is traced
 once on an abstract key. Stacked leaves are outputs of a scan over the layers (what ``nn.scan`` and
 ``nnx.vmap``/``nnx.scan`` produce when initialising): layer ``i`` of them is that scan's body run on
-iteration ``i``'s inputs. The rest of the tree is computed leaf group by leaf group. So the whole
-tree never exists in memory, and the values are bitwise those of ``jax.jit(init_fn)(rng)``: the
-same operations on the same keys (tests/test_init.py). This is what DeepSpeed's ``zero.Init``
-does for torch, without hooks.
+iteration ``i``'s inputs. Row-chunked leaves (an embedding table) are computed one chunk at a
+time where their code is row-wise (`rows.row_chunk`). The rest of the tree is computed leaf group
+by leaf group. So the whole tree never exists in memory, and the values are bitwise those of
+``jax.jit(init_fn)(rng)``: the same operations on the same keys (tests/test_init.py).
+This is what DeepSpeed's ``zero.Init`` does for torch, without hooks.
 
 Example:
     >>> source = InitSource(program, lambda rng: model.init(rng, tokens)["params"], jax.random.key(0))
@@ -22,6 +23,7 @@ import jax
 from zinfjax.engine.source import store_slice
 from zinfjax.errors import UserError
 from zinfjax.program import jaxpr as jx
+from zinfjax.program import rows
 
 
 class InitError(UserError):
@@ -73,6 +75,8 @@ class InitSource:
             if leaf.index in self._by_scan:
                 eqn, j = self._by_scan[leaf.index]
                 out.append(self._iteration(eqn, i)[j])
+            elif self._chunk_fn(leaf.index) is not None:
+                out.append(self._chunk_fn(leaf.index)(self.rng, i * leaf.stream.rows))
             else:
                 out.append(store_slice(leaf, self._group_whole(group)[leaf.index], i))
         return out
@@ -85,6 +89,22 @@ class InitSource:
 
     # ---- evaluation ----------------------------------------------------------------------------
 
+    @functools.cache  # noqa: B019 - one compile per row-chunked leaf
+    def _chunk_fn(self, index: int):
+        """``f(rng, lo)``: one row chunk of a row-chunked leaf, computed alone (`rows.row_chunk`); else None."""
+        leaf = self.program.leaves[index]
+        if leaf.stream is None or leaf.stream.rows == 0:
+            return None
+        outvar = self.closed.jaxpr.outvars[index]
+        if not jx.is_var(outvar):
+            return None
+        fn = jax.jit(lambda rng, lo: rows.row_chunk(self.closed, outvar, rng, lo, leaf.stream.rows))
+        try:
+            fn.lower(self.rng, 0)
+        except rows.Unsliceable:
+            return None  # computed whole, then cut
+        return fn
+
     def _group_whole(self, group: str) -> dict:
         """The group's leaves that no scan stacks, computed whole (kept while the group is filled)."""
         if group not in self._whole:
@@ -94,7 +114,8 @@ class InitSource:
     @functools.cache  # noqa: B019 - one compile per group, for the life of the source
     def _whole_fn(self, group: str):
         jaxpr = self.closed.jaxpr
-        leaves = [leaf.index for leaf in self.program.leaves_of(group) if leaf.index not in self._by_scan]
+        leaves = [leaf.index for leaf in self.program.leaves_of(group)
+                  if leaf.index not in self._by_scan and self._chunk_fn(leaf.index) is None]
         outs = [jaxpr.outvars[k] for k in leaves]
         eqns = jx.dce(jaxpr.eqns, outs)
 
