@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from zinfjax.allocator import tune_allocator
 from zinfjax.benchmarks.io import parse_size
+from zinfjax.benchmarks.process import peak_rss_bytes
 from zinfjax.models import ModelConfig
 
 ADAM_BYTES_PER_PARAM = 12  # fp32 parameter + Adam m + Adam v
@@ -147,19 +148,6 @@ def disk_read_bytes() -> int:
     """Bytes this process has had fetched from storage (page-cache hits excluded), from /proc/self/io."""
     with open("/proc/self/io") as f:
         return int(dict(line.split(": ") for line in f.read().splitlines())["read_bytes"])
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory (VmHWM).
-
-    Not ``getrusage``'s ru_maxrss: Linux keeps across ``exec`` the peak of the image the process
-    replaced, which for a child forked from a large parent is the parent's size.
-    """
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no VmHWM in /proc/self/status")
 
 
 # ---- the benchmark -----------------------------------------------------------------------------
