@@ -124,8 +124,10 @@ def build_trainer(config: Config):
 def run(config: Config, progress: bool = True, trace: str | None = None) -> dict:
     """Trains for ``config.steps`` steps; writes the JSON log and loss curve when ``config.log`` is set.
 
-    Started by `zinfjax launch`, it first joins the other processes (`initialize_from_env`).
+    Started by `zinfjax launch`, it first joins the other processes (`initialize_from_env`). The
+    log's ``init_s`` is the time from this call to the first step's start (model, state, engine).
     """
+    started = time.perf_counter()
     initialize_from_env()
     main = is_main_process()
     model, trainer = build_trainer(config.replace(nvme_path=process_nvme_path(config.nvme_path)))
@@ -138,6 +140,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     saver = Saver(config, model.config, trainer) if config.save_dir else None
     bar = tqdm(range(first, config.steps + 1), disable=not (progress and main), unit="step", dynamic_ncols=True,
                initial=first - 1, total=config.steps)
+    log["init_s"] = time.perf_counter() - started
     try:
         for step in bar:
             start = time.perf_counter()
