@@ -17,7 +17,8 @@ One invocation runs, one after another and each in its own process, for fp32 and
 Same batch (4 x 128 tokens by default), AdamW (lr 3e-4, no weight decay), same NVMe directory.
 Each run reports the median of its steps after ``--warmup`` (steps 3 and later by default), its
 peak RSS (VmHWM, zinfjax/benchmarks/process.py), its memory cgroup's peak when a cgroup v1 memory
-controller is writable, and its initialisation time (process start to the first step's start).
+controller is writable, its initialisation time (process start to the first step's start), and
+how many CPU cores other processes kept busy meanwhile (``other_cpu_cores``: the machine is shared).
 A DeepSpeed configuration that crashes is recorded as ``{"error": "<its message>"}``; without
 DeepSpeed, or without libaio, the zinfjax side still runs and the JSON says what was skipped.
 
@@ -33,6 +34,7 @@ import importlib.util
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import statistics
@@ -84,15 +86,34 @@ def run_measured(args, module_argv: list[str], imports: tuple[str, ...] = ()) ->
 
 
 def run_child(cmd: list[str], timeout: int) -> dict:
-    """Runs ``cmd`` to its end or ``timeout``: exit status (None on timeout), stdout, stderr's tail, wall time."""
-    start = time.perf_counter()
+    """Runs ``cmd`` to its end or ``timeout``: exit status (None on timeout), stdout, stderr's tail, wall time.
+
+    ``other_cpu_cores``: the CPU cores that processes other than this benchmark and its child kept
+    busy on average while the child ran (from /proc/stat), a measure of how shared the machine was.
+    """
+    busy0, own0, start = machine_busy_s(), own_cpu_s(), time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
         out = {"exit": proc.returncode, "stdout": proc.stdout, "stderr_tail": proc.stderr[-4000:]}
     except subprocess.TimeoutExpired as e:
         stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         out = {"exit": None, "stdout": stdout, "stderr_tail": "", "timed_out": True}
-    return out | {"wall_s": time.perf_counter() - start}
+    wall = time.perf_counter() - start
+    other = (machine_busy_s() - busy0) - (own_cpu_s() - own0)
+    return out | {"wall_s": wall, "other_cpu_cores": max(0.0, other / wall)}
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and of its children that have ended."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
 
 
 def read_report(path: str) -> dict:
@@ -187,6 +208,7 @@ def run_zinfjax(args, run: str, precision: str) -> dict:
     out = {"step_s": timed_median(args, times), "step_times_s": times, "losses": [s["loss"] for s in steps],
            **memory_figures(child), "init_s": child["report"]["startup_s"] + log["init_s"],
            "startup_s": child["report"]["startup_s"], "setup_s": log["init_s"], "process_wall_s": child["wall_s"],
+           "other_cpu_cores": child["other_cpu_cores"],
            "step_s_from": "the log's step_s (engine)" if "step_s" in steps[0] else
            "batch_size * seq_len / tokens_per_s of the log (the in-memory trainer logs no step_s)",
            "command": zinfjax_command(overrides)}
@@ -246,7 +268,8 @@ def run_deepspeed(args, config: dict) -> dict:
     return {"step_s": timed_median(args, times), "step_times_s": times, "losses": result["losses"],
             **memory_figures(child), "init_s": result["init_s"], "startup_s": result["startup_s"],
             "model_build_s": result["model_build_s"], "initialize_s": result["initialize_s"],
-            "process_wall_s": child["wall_s"], "params": result["params"], "torch_threads": result["torch_threads"]}
+            "process_wall_s": child["wall_s"], "other_cpu_cores": child["other_cpu_cores"], "params": result["params"],
+            "torch_threads": result["torch_threads"]}
 
 
 def probe_deepspeed(args) -> dict:
@@ -347,7 +370,8 @@ def ratios(zinfjax: dict, deepspeed: dict) -> dict:
 
 def log_progress(name: str, result: dict) -> None:
     """One line on stderr per run, so a 20-minute benchmark shows where it is."""
-    text = (f"{result['step_s']:.2f} s/step, peak RSS {result['peak_rss_GB']:.2f} GB" if "step_s" in result
+    text = (f"{result['step_s']:.2f} s/step, peak RSS {result['peak_rss_GB']:.2f} GB, other processes kept "
+            f"{result['other_cpu_cores']:.2f} cores busy" if "step_s" in result
             else result.get("error") or result.get("skipped"))
     print(f"versus-deepspeed: {name}: {text}", file=sys.stderr, flush=True)
 
