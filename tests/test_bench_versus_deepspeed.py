@@ -45,6 +45,7 @@ def test_without_deepspeed_the_zinfjax_side_runs(tmp_path):
     assert result["fp32"]["io_floor"]["io_floor_s"] > 0 and nvme["read_bytes_nvme"] > 0
     assert result["fp32"]["ratios"]["zinfjax_nvme_over_deepspeed_best_nvme"] is None
     assert not os.path.exists(result["nvme_dir"])  # the offloaded state is removed
+    assert result["deepspeed_configs"]["fp32"]["nvme"]["optimizer"]["params"]["eps"] == 1e-8  # not rounded away
 
 
 def test_ratios_take_deepspeeds_best_working_nvme_run():

@@ -421,15 +421,15 @@ def run_list(known: tuple[str, ...]):
     return parse
 
 
-def rounded(value, digits: int = 4):
-    """Floats in a JSON-like value rounded to ``digits`` decimals.
+def rounded(value, digits: int = 6):
+    """Floats in a JSON-like value rounded to ``digits`` significant digits (a config's 1e-8 stays 1e-8).
 
     Example:
-        >>> rounded({"a": [1.234567, 2]})
-        {'a': [1.2346, 2]}
+        >>> rounded({"a": [1.23456789, 2], "eps": 1e-8})
+        {'a': [1.23457, 2], 'eps': 1e-08}
     """
     if isinstance(value, float):
-        return round(value, digits)
+        return float(f"{value:.{digits}g}")
     if isinstance(value, dict):
         return {k: rounded(v, digits) for k, v in value.items()}
     if isinstance(value, list | tuple):
