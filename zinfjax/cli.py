@@ -104,13 +104,14 @@ def _launch(args) -> int:
 
 
 def add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks that print JSON (io, step, capacity, generate)",
+    p = sub.add_parser("bench", help="benchmarks that print JSON (io, step, capacity, memory, generate, versus-ds)",
                        description="Benchmarks. Each prints one JSON object; see docs/BENCHMARKS.md.")
-    p.add_argument("name", choices=["io", "step", "capacity", "memory", "generate"],
+    p.add_argument("name", choices=["io", "step", "capacity", "memory", "generate", "versus-deepspeed"],
                    help="io: the nvme tier against raw O_DIRECT disk throughput; step: reference vs engine on "
                    "device, host and nvme tiers against the I/O floor; capacity: a state far larger than memory; "
                    "memory: gpt2-small, gpt2-large and llama-1b through zinfjax train in memory cgroups; "
-                   "generate: tokens/s with parameters in memory, on host and on nvme at batch sizes 1, 8, 64")
+                   "generate: tokens/s with parameters in memory, on host and on nvme at batch sizes 1, 8, 64; "
+                   "versus-deepspeed: GPT-2 small under DeepSpeed ZeRO-3 and zinfjax train, NVMe, CPU and memory")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (see `zinfjax bench io -h`)")
     p.set_defaults(func=_bench)
 
@@ -118,7 +119,7 @@ def add_bench(sub) -> None:
 def _bench(args) -> int:
     import importlib
 
-    module = importlib.import_module(f"zinfjax.benchmarks.{args.name}")
+    module = importlib.import_module(f"zinfjax.benchmarks.{args.name.replace('-', '_')}")
     return module.main(args.rest) or 0
 
 

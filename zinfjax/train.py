@@ -158,11 +158,12 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
 
     Started by `zinfjax launch`, it first joins the other processes (`initialize_from_env`). Before
     building the model it checks the log path, the data and the save_dir (`plan_start`); a run
-    whose loss stays non-finite, or whose final checkpoint fails, writes its log and raises.
+    whose loss stays non-finite, or whose final checkpoint fails, writes its log and raises. The
+    log's ``init_s`` is the time from this call to the first step's start (model, state, engine).
     """
+    started = time.perf_counter()
     initialize_from_env()
     main = is_main_process()
-    started = time.perf_counter()
     config = config.with_batch_for(make_mesh(config.mesh_axes()).shape["data"])  # DeepSpeed's micro-batch
     if config.log and main:
         check_writable_file(config.log, "log")
@@ -190,6 +191,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     bar = tqdm(range(first, config.steps + 1), disable=not (progress and main), unit="step", dynamic_ncols=True,
                initial=first - 1, total=config.steps)
     stopped = None
+    log["init_s"] = time.perf_counter() - started  # through the restore, if any
     try:
         for step in bar:
             rss.reset_peak()
