@@ -94,9 +94,14 @@ def log_steps(path) -> list[dict]:
 
 @pytest.mark.slow  # about 33 s in CI: three training processes
 def test_resume_in_a_new_process_is_bitwise(tmp_path):
-    """Train 10 steps saving at 5; a new process resumes from 5 (other tiers) and steps 6-10 match bitwise."""
+    """Train 10 steps saving at 5; a new process resumes from 5 (other tiers) and steps 6-10 match bitwise.
+
+    The run warms up for 3 steps and decays on a cosine: the schedule's count is in the optimizer
+    state, so the resumed learning rates are the uninterrupted run's too.
+    """
     common = ["--set", "model=gpt2-tiny", "--set", "batch_size=8", "--set", "seq_len=16", "--set", "mesh=data:1",
-              "--set", "steps=10", "--set", f"save_dir={tmp_path / 'ckpt'}", "--quiet"]
+              "--set", "steps=10", "--set", f"save_dir={tmp_path / 'ckpt'}", "--quiet", "--set", "warmup_steps=3",
+              "--set", "lr_decay=cosine", "--set", "final_lr=1e-5"]
     nvme = ["--set", "params=nvme", "--set", "optimizer=nvme", "--set", f"nvme_path={tmp_path / 'nvme'}"]
     run_cli(["train", *common, *nvme, "--set", "save_every=5", "--set", f"log={tmp_path / 'a.json'}"])
     assert complete_steps(str(tmp_path / "ckpt")) == [5, 10]
@@ -107,6 +112,8 @@ def test_resume_in_a_new_process_is_bitwise(tmp_path):
     a, b = log_steps(tmp_path / "a.json"), log_steps(tmp_path / "b.json")
     assert [r["step"] for r in b] == [6, 7, 8, 9, 10]
     assert [r["loss"] for r in b] == [r["loss"] for r in a[5:]]
+    assert [r["lr"] for r in b] == [r["lr"] for r in a[5:]]
+    assert len({r["lr"] for r in a}) == 10  # warmup, then decay: no two steps alike
 
 
 def test_corrupt_chunk_is_detected(tmp_path):

@@ -22,7 +22,7 @@ import pytest
 from flax.training import train_state
 
 import zinfjax
-from tests.engine_helpers import assert_bitwise, batches, config, reference_run, relative_error
+from tests.engine_helpers import assert_bitwise, batches, config, engine_run, reference_run, relative_error
 from zinfjax import models
 from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.program import NotStreamableError, UpdatePlan, program_for
@@ -172,13 +172,27 @@ def test_a_refusal_names_the_operation_the_parameter_and_an_alternative(probe):
     assert re.search(r"^rev mixes the slices of blocks along its streamed axis.*; use ", str(err.value))
 
 
+@pytest.mark.parametrize("optimizer_name,weight_decay", [
+    ("adamw", 0.01), ("sgd", 0.0), ("lion", 0.01),
+    pytest.param("adam", 0.0, marks=pytest.mark.wide), pytest.param("adagrad", 0.0, marks=pytest.mark.wide),
+    pytest.param("rmsprop", 0.0, marks=pytest.mark.wide), pytest.param("adamw", 0.1, marks=pytest.mark.wide),
+])
+def test_every_config_optimizer_through_the_engine_equals_the_in_memory_loop(tmp_path, optimizer_name, weight_decay):
+    """20 steps at stage 1 on 2 devices, state on NVMe, with the schedule a user sets (warmup, cosine decay)."""
+    c = config(optimizer_name=optimizer_name, weight_decay=weight_decay, stage=1, mesh="data:2", params="nvme",
+               optimizer="nvme", nvme_path=str(tmp_path), warmup_steps=5, lr_decay="cosine", final_lr=1e-4)
+    ref_losses, ref_params = reference_run(c)
+    losses, params, _ = engine_run(c)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert relative_error(ref_params, params) < 1e-6
+    assert losses[-1] < losses[0]
+
+
 @pytest.mark.parametrize("optimizer_name", ["lamb", "adafactor"])
 def test_engine_with_cross_layer_statistics_equals_the_in_memory_loop(tmp_path, optimizer_name):
     """20 steps on NVMe at stage 2 on 4 devices, weight decay on: lamb and adafactor need 3 sweeps a step."""
     c = config(optimizer_name=optimizer_name, weight_decay=0.01, stage=2, params="nvme", optimizer="nvme",
                nvme_path=str(tmp_path))
-    from tests.engine_helpers import engine_run
-
     ref_losses, ref_params = reference_run(c)
     losses, params, _ = engine_run(c)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
@@ -229,8 +243,6 @@ def _take(it, n):
 
 def test_the_same_optimizer_on_every_tier_is_bitwise(tmp_path):
     """Sweeps run on every tier alike: lamb on NVMe equals lamb on device, bit for bit."""
-    from tests.engine_helpers import engine_run
-
     base = config(optimizer_name="lamb", mesh="data:2")
     device = engine_run(base, steps=4)
     nvme = engine_run(base.replace(params="nvme", optimizer="nvme", gradients="nvme", nvme_path=str(tmp_path)),
