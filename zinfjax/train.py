@@ -24,10 +24,11 @@ from tqdm import tqdm
 
 from zinfjax import models, rss
 from zinfjax.checkpoint.resume import plan_start
-from zinfjax.config import TIER_KEYS, Config
+from zinfjax.config import Config
 from zinfjax.data import Batches, check_vocab, load_tokens
 from zinfjax.distributed import initialize_from_env, is_main_process, process_nvme_path
-from zinfjax.engine.engine import COMPUTE_DTYPES, Engine, update_plan
+from zinfjax.engine.engine import Engine, update_plan
+from zinfjax.inference.params import resolve_model
 from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.nonfinite import LossWatch
 from zinfjax.optim import make_optimizer, make_schedule
@@ -37,6 +38,7 @@ from zinfjax.program import InitSource, program_for
 from zinfjax.reference import init_state, make_step
 from zinfjax.sharding import batch_sharding, check_batch, make_mesh
 from zinfjax.units import format_bytes
+from zinfjax.vocabulary import COMPUTE_DTYPES, TIER_KEYS
 
 
 class ReferenceTrainer:
@@ -141,7 +143,7 @@ def uses_engine(config: Config) -> bool:
 
 def build_trainer(config: Config):
     """The model, mesh and trainer a config describes."""
-    model_config = models.ModelConfig.resolve(config.model)
+    model_config = resolve_model(config.model)
     model = models.build(model_config, COMPUTE_DTYPES[config.precision])
     mesh = make_mesh(config.mesh_axes())
     check_batch(config.batch_size, mesh, config.grad_accum)
@@ -167,7 +169,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     config = config.with_batch_for(make_mesh(config.mesh_axes()).shape["data"])  # DeepSpeed's micro-batch
     if config.log and main:
         check_writable_file(config.log, "log")
-    model_config = models.ModelConfig.resolve(config.model)
+    model_config = resolve_model(config.model)
     tokens = load_tokens(config.data)
     check_vocab(tokens, model_config.vocab_size, config.data)
     batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)

@@ -26,12 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from zinfjax.config import Config
-from zinfjax.engine.engine import COMPUTE_DTYPES, BatchError, Engine, update_plan
+from zinfjax.engine.engine import BatchError, Engine, update_plan
 from zinfjax.engine.source import TreeSource
 from zinfjax.errors import UserError
 from zinfjax.models.stacked import StackedLM, lm_init, lm_loss
 from zinfjax.program import InitSource, program_for
 from zinfjax.sharding import make_mesh
+from zinfjax.vocabulary import COMPUTE_DTYPES
 
 DOCS = "docs/models.md"
 

@@ -21,10 +21,10 @@ import numpy as np
 from zinfjax import models
 from zinfjax.config import Config
 from zinfjax.data import Batches, check_vocab, load_tokens
-from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.inference.generate import abstract_params
 from zinfjax.inference.params import ParamStores, checkpoint_model
+from zinfjax.vocabulary import COMPUTE_DTYPES
 
 
 def evaluate(source: str, data: str, config: Config, batches: int = 8, model=None) -> dict:

@@ -26,7 +26,6 @@ import numpy as np
 
 from zinfjax import models
 from zinfjax.config import Config
-from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.engine.stores import SCRATCH_NVME
 from zinfjax.errors import ConfigError
@@ -34,6 +33,7 @@ from zinfjax.inference.params import ParamStores
 from zinfjax.inference.sampling import Sampling, next_tokens
 from zinfjax.models import ModelConfig
 from zinfjax.store import open_store
+from zinfjax.vocabulary import COMPUTE_DTYPES
 
 
 @dataclasses.dataclass

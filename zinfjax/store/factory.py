@@ -13,8 +13,7 @@ from zinfjax.store.layout import leaf_layout, leaf_names
 from zinfjax.store.memory import DeviceStore, HostStore
 from zinfjax.store.nvme import NvmeStore
 from zinfjax.store.pool import BufferPool
-
-TIERS = ("device", "host", "nvme")
+from zinfjax.vocabulary import TIERS
 
 
 def open_store(
