@@ -2,16 +2,22 @@
 
 User mistakes (`zinfjax.errors.UserError`) print one line and exit with status 2;
 anything else is a bug and keeps its traceback.
+
+The commands import their modules inside the function that runs them: ``zinfjax --help`` and
+``zinfjax launch`` start without importing JAX, and ``convert`` alone needs torch (``interop``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import os
 import signal
 import sys
+from dataclasses import fields
 
-from zinfjax.errors import UserError
+from zinfjax.errors import ConfigError, UserError
 
 DESCRIPTION = """\
 zinfjax: ZeRO-Infinity for JAX. Train models larger than accelerator and host memory
@@ -20,8 +26,6 @@ by sharding the model state over devices and streaming each layer from host memo
 
 
 def _config_keys_help() -> str:
-    from dataclasses import fields
-
     from zinfjax.config import KEY_DOCS, Config
 
     rows = [f"  {f.name:<18} {KEY_DOCS.get(f.name, '')} (default: {f.default!r})" for f in fields(Config)]
@@ -117,8 +121,6 @@ def add_bench(sub) -> None:
 
 
 def _bench(args) -> int:
-    import importlib
-
     module = importlib.import_module(f"zinfjax.benchmarks.{args.name.replace('-', '_')}")
     return module.main(args.rest) or 0
 
@@ -196,8 +198,6 @@ def add_generate(sub) -> None:
 
 
 def _generate(args) -> int:
-    import json
-
     from zinfjax.config import Config
     from zinfjax.inference import Sampling, generate
     from zinfjax.inference.generate import check_counts, parse_ids
@@ -239,14 +239,10 @@ def add_evaluate(sub) -> None:
 
 
 def _evaluate(args) -> int:
-    import json
-
     from zinfjax.config import Config
     from zinfjax.inference import evaluate
 
     if args.batches < 1:
-        from zinfjax.errors import ConfigError
-
         raise ConfigError(f"--batches {args.batches} must be 1 or more")
     out = evaluate(args.checkpoint, args.data, Config.load(None, args.overrides), args.batches)
     print(json.dumps(out) if args.json else f"loss {out['loss']:.4f}, perplexity {out['perplexity']:.3f} over "
@@ -292,15 +288,11 @@ def add_convert(sub) -> None:
 
 
 def _convert(args) -> int:
-    import json
-
     try:
-        from interop.convert import convert
+        from interop.convert import convert  # lazy: interop needs torch, an optional extra
     except ModuleNotFoundError as e:
         if e.name not in ("torch", "safetensors", "interop"):
             raise
-        from zinfjax.errors import ConfigError
-
         raise ConfigError(f"zinfjax convert needs {e.name}, which is not installed: "
                           "pip install 'zinfjax[torch]'") from e
 

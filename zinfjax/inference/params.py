@@ -15,6 +15,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tensorstore as ts
 
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import CheckpointError
@@ -94,8 +95,6 @@ class ParamStores:
 
     @classmethod
     def from_checkpoint(cls, path: str, abstract, config: Config) -> ParamStores:
-        import tensorstore as ts
-
         directory = latest_checkpoint(path)
         ps = cls(abstract, config)
         for g in GROUPS:
