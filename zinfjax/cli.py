@@ -1,7 +1,7 @@
 """The ``zinfjax`` command.
 
-User mistakes (`zinfjax.errors.UserError`) print one line and exit with status 2;
-anything else is a bug and keeps its traceback.
+User mistakes (`zinfjax.errors.UserError`) print one line and exit with status 2. Anything else
+is a bug: it prints a short report, writes the full traceback to a file it names, and exits 1.
 
 The commands import their modules inside the function that runs them: ``zinfjax --help`` and
 ``zinfjax launch`` start without importing JAX, and ``convert`` alone needs torch (``interop``).
@@ -15,6 +15,8 @@ import json
 import os
 import signal
 import sys
+import tempfile
+import traceback
 from dataclasses import fields
 
 from zinfjax.errors import ConfigError, UserError
@@ -338,9 +340,27 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
     except BrokenPipeError:
         code = _reader_left()
+    except Exception as err:  # a bug, not the user's mistake: a short report, the traceback in a file
+        print(f"zinfjax: internal error: {type(err).__name__}: {_first_line(err)}\n"
+              f"zinfjax: this is a bug in zinfjax; the full traceback is in {_write_traceback(err)}", file=sys.stderr)
+        code = 1
     if code:
         _exit_now_if_distributed(code)
     return code
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
+
+
+def _write_traceback(err: BaseException) -> str:
+    """Writes ``err``'s full traceback to a new file (``$TMPDIR/zinfjax-traceback-*.txt``) and returns its path."""
+    fd, path = tempfile.mkstemp(prefix="zinfjax-traceback-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(f"zinfjax {' '.join(sys.argv[1:])}\n\n")
+        f.write("".join(traceback.format_exception(err)))
+    return path
 
 
 def _reader_left() -> int:
