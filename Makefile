@@ -16,14 +16,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports  # the layering of docs/design.md, as contracts in pyproject.toml
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15 -m "not wide"  # two workers: one per core
 
 test-all: $(STAMP)  # the wide corners of the test matrices too
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf runs .pytest_cache .hypothesis

@@ -45,7 +45,10 @@ from interop.tables import BY_ARCH
 from zinfjax.checkpoint import CheckpointWriter, expected_leaves, read_meta
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.reader import LeafReader
-from zinfjax.config import Config, read_mapping
+from zinfjax.config import Config
+from zinfjax.inference.params import checkpoint_model
+from zinfjax.inference.params import resolve_model as zinfjax_model
+from zinfjax.mappings import read_mapping
 from zinfjax.models import ModelConfig
 from zinfjax.models.configs import NAMED
 from zinfjax.optim import make_optimizer
@@ -191,7 +194,7 @@ def _strip_scheme(src: str) -> str:
 
 
 def resolve_model(spec: ModelConfig | str) -> ModelConfig:
-    """A `ModelConfig` from an HF config.json (or its directory), or what `ModelConfig.resolve` takes.
+    """A `ModelConfig` from an HF config.json (or its directory), or a zinfjax model spec (`zinfjax_model`).
 
     Example:
         >>> resolve_model("gpt2-tiny").n_layers
@@ -201,7 +204,7 @@ def resolve_model(spec: ModelConfig | str) -> ModelConfig:
         return spec
     path = os.path.join(spec, CONFIG) if os.path.isdir(spec) else spec
     values = read_mapping(path, "--model file", SourceError) if os.path.isfile(path) else {}
-    model = from_hf_config(values) if "model_type" in values else ModelConfig.resolve(spec)
+    model = from_hf_config(values) if "model_type" in values else zinfjax_model(spec)
     if model.arch not in BY_ARCH:
         raise UnknownArchitectureError(f"--model {spec} has arch {model.arch!r}, which zinfjax cannot convert; "
                                        f"supported: {', '.join(BY_ARCH)}")
@@ -245,7 +248,6 @@ class ZinfjaxCheckpoint:
     """
 
     def __init__(self, path: str):
-        from zinfjax.inference.params import checkpoint_model
 
         self.directory, self.config = checkpoint_model(path)
         meta = read_meta(self.directory)

@@ -44,7 +44,8 @@ from interop.hf import _Entry, _expected, _hf_shape, _layer_shape, _some, zinfja
 from interop.hf_config import from_hf_config
 from interop.tables import BY_ARCH, FUSE_AXIS, ArchTable, hf_shape, to_zinfjax
 from zinfjax.checkpoint import CheckpointWriter, expected_leaves
-from zinfjax.config import Config, read_mapping
+from zinfjax.config import Config
+from zinfjax.mappings import read_mapping
 from zinfjax.models import ModelConfig
 from zinfjax.models.configs import NAMED
 from zinfjax.optim import make_optimizer

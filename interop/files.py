@@ -24,7 +24,7 @@ import safetensors
 import torch
 
 from interop.errors import CheckpointFilesError
-from zinfjax.config import read_mapping
+from zinfjax.mappings import read_mapping
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 TORCH_BIN, TORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"

@@ -45,7 +45,7 @@ from interop.files import (
 from interop.hf_config import from_hf_config, to_hf_config
 from interop.tables import BY_ARCH, FUSE_AXIS, TABLES, ArchTable, Rule, hf_shape, to_hf, to_zinfjax
 from zinfjax import models
-from zinfjax.config import read_mapping
+from zinfjax.mappings import read_mapping
 from zinfjax.models import ModelConfig
 
 CONFIG = "config.json"

@@ -29,7 +29,7 @@ import os
 from interop.errors import ConversionError
 from interop.hf import zinfjax_shapes
 from interop.tables import ArchTable, Layout, Rule
-from zinfjax.config import read_mapping
+from zinfjax.mappings import read_mapping
 from zinfjax.models import ModelConfig
 
 KEYS = ("to", "layout", "in_axes")

@@ -23,6 +23,36 @@ def test_user_mistakes_print_one_line_without_traceback():
     assert out.returncode == 2 and "Traceback" not in out.stderr and "does not exist" in out.stderr
 
 
+def test_a_user_mistake_found_while_running_prints_one_line_and_exits_2(capsys):
+    from zinfjax.cli import main
+
+    assert main(["train", "--quiet", "--set", "model=gpt5", "--set", "steps=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("zinfjax: error: unknown model 'gpt5'; choose one of gpt2-tiny")
+
+
+def test_an_internal_error_prints_a_short_report_and_writes_the_traceback_to_a_file(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    import zinfjax.train
+    from zinfjax.cli import main
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the engine lost a layer\nsecond line")
+
+    monkeypatch.setattr(zinfjax.train, "run", broken)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["train", "--quiet", "--set", "steps=1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "zinfjax: internal error: RuntimeError: the engine lost a layer"
+    assert len(err) == 2 and "bug in zinfjax" in err[1] and "Traceback" not in err[1]
+    path = err[1].rsplit(" ", 1)[1]
+    assert path.startswith(str(tmp_path)) and "zinfjax-traceback-" in path
+    text = open(path).read()
+    assert "Traceback (most recent call last)" in text and "RuntimeError: the engine lost a layer" in text
+    assert "in broken" in text
+
+
 def test_train_writes_log_and_loss_curve(tmp_path):
     log = tmp_path / "run.json"
     out = zinfjax("train", "--quiet", "--set", "steps=3", "--set", "seq_len=32", "--set", f"log={log}")

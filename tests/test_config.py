@@ -37,7 +37,6 @@ def test_json_file(tmp_path):
     ("optimizer=nvme", "nvme_path is not set"),
     ("grad_accum=0", "1 or more"),
     ("mesh=data:x", "name:size"),
-    ("model=gpt5", "choose one of"),
     ("steps=ten", "not a valid int"),
     ("host_buffer_bytes=lots", "not a byte size"),
     ("nokey=1", "unknown key"),
@@ -106,6 +105,7 @@ def test_model_is_a_named_size_a_model_file_or_a_checkpoint(tmp_path):
 
     import yaml
 
+    from zinfjax.inference.params import resolve_model
     from zinfjax.models import NAMED, ModelConfig
 
     mini = dataclasses.asdict(NAMED["gpt2-mini"].replace(n_layers=3))
@@ -115,15 +115,15 @@ def test_model_is_a_named_size_a_model_file_or_a_checkpoint(tmp_path):
 
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**mini, "n_layer": 3}))
     with pytest.raises(ConfigError, match=r"unknown ModelConfig field\(s\) n_layer; known: arch, d_ff"):
-        Config.load(None, [f"model={tmp_path / 'bad.yaml'}"])
+        resolve_model(str(tmp_path / "bad.yaml"))
     (tmp_path / "arch.yaml").write_text(yaml.safe_dump({**mini, "arch": "mamba"}))
     with pytest.raises(ConfigError, match="arch 'mamba' is not one of gpt2, llama, bert"):
         ModelConfig.resolve(str(tmp_path / "arch.yaml"))
     with pytest.raises(ConfigError, match="unknown model 'gpt5'; choose one of gpt2-tiny.*or a zinfjax checkpoint"):
-        Config.load(None, ["model=gpt5"])
+        resolve_model("gpt5")
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no complete checkpoint|holds no checkpoint|no checkpoint"):
-        Config.load(None, [f"model={tmp_path / 'empty'}"])
+        resolve_model(str(tmp_path / "empty"))
 
 
 @pytest.mark.parametrize("override,message", [

@@ -23,7 +23,7 @@ from tests.engine_helpers import (
     reference_run,
     relative_error,
 )
-from zinfjax.engine.memory import abstract_params
+from zinfjax.benchmarks.state_table import abstract_params
 from zinfjax.sharding import PERSISTENCE_THRESHOLD
 
 STEPS = 20

@@ -27,8 +27,9 @@ import pytest
 from tests.engine_helpers import batches, config, make_engine, relative_error
 from zinfjax import models
 from zinfjax.checkpoint import CheckpointManager, CheckpointSource
-from zinfjax.engine.engine import COMPUTE_DTYPES, LossScale
+from zinfjax.engine.engine import LossScale
 from zinfjax.models.stacked import lm_init, lm_loss
+from zinfjax.vocabulary import COMPUTE_DTYPES
 
 STEPS = 10
 TOLERANCE = {"bf16": (6e-4, 1e-2), "fp16": (2.2e-4, 3.2e-3)}  # (losses rtol, params relative L2)

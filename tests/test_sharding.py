@@ -12,8 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 from tests.engine_helpers import config, expected_state_bytes
 from zinfjax import models
+from zinfjax.benchmarks.state_table import abstract_params
 from zinfjax.engine.engine import compiled
-from zinfjax.engine.memory import abstract_params, state_bytes, zero_formula
+from zinfjax.engine.memory import state_bytes, zero_formula
 from zinfjax.engine.stores import plan_stores
 from zinfjax.errors import ConfigError
 from zinfjax.optim import make_optimizer

@@ -1,17 +1,25 @@
 """The ``zinfjax`` command.
 
-User mistakes (`zinfjax.errors.UserError`) print one line and exit with status 2;
-anything else is a bug and keeps its traceback.
+User mistakes (`zinfjax.errors.UserError`) print one line and exit with status 2. Anything else
+is a bug: it prints a short report, writes the full traceback to a file it names, and exits 1.
+
+The commands import their modules inside the function that runs them: ``zinfjax --help`` and
+``zinfjax launch`` start without importing JAX, and ``convert`` alone needs torch (``interop``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import os
 import signal
 import sys
+import tempfile
+import traceback
+from dataclasses import fields
 
-from zinfjax.errors import UserError
+from zinfjax.errors import ConfigError, UserError
 
 DESCRIPTION = """\
 zinfjax: ZeRO-Infinity for JAX. Train models larger than accelerator and host memory
@@ -20,8 +28,6 @@ by sharding the model state over devices and streaming each layer from host memo
 
 
 def _config_keys_help() -> str:
-    from dataclasses import fields
-
     from zinfjax.config import KEY_DOCS, Config
 
     rows = [f"  {f.name:<18} {KEY_DOCS.get(f.name, '')} (default: {f.default!r})" for f in fields(Config)]
@@ -117,8 +123,6 @@ def add_bench(sub) -> None:
 
 
 def _bench(args) -> int:
-    import importlib
-
     module = importlib.import_module(f"zinfjax.benchmarks.{args.name.replace('-', '_')}")
     return module.main(args.rest) or 0
 
@@ -196,8 +200,6 @@ def add_generate(sub) -> None:
 
 
 def _generate(args) -> int:
-    import json
-
     from zinfjax.config import Config
     from zinfjax.inference import Sampling, generate
     from zinfjax.inference.generate import check_counts, parse_ids
@@ -239,14 +241,10 @@ def add_evaluate(sub) -> None:
 
 
 def _evaluate(args) -> int:
-    import json
-
     from zinfjax.config import Config
     from zinfjax.inference import evaluate
 
     if args.batches < 1:
-        from zinfjax.errors import ConfigError
-
         raise ConfigError(f"--batches {args.batches} must be 1 or more")
     out = evaluate(args.checkpoint, args.data, Config.load(None, args.overrides), args.batches)
     print(json.dumps(out) if args.json else f"loss {out['loss']:.4f}, perplexity {out['perplexity']:.3f} over "
@@ -292,15 +290,11 @@ def add_convert(sub) -> None:
 
 
 def _convert(args) -> int:
-    import json
-
     try:
-        from interop.convert import convert
+        from interop.convert import convert  # lazy: interop needs torch, an optional extra
     except ModuleNotFoundError as e:
         if e.name not in ("torch", "safetensors", "interop"):
             raise
-        from zinfjax.errors import ConfigError
-
         raise ConfigError(f"zinfjax convert needs {e.name}, which is not installed: "
                           "pip install 'zinfjax[torch]'") from e
 
@@ -346,9 +340,27 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
     except BrokenPipeError:
         code = _reader_left()
+    except Exception as err:  # a bug, not the user's mistake: a short report, the traceback in a file
+        print(f"zinfjax: internal error: {type(err).__name__}: {_first_line(err)}\n"
+              f"zinfjax: this is a bug in zinfjax; the full traceback is in {_write_traceback(err)}", file=sys.stderr)
+        code = 1
     if code:
         _exit_now_if_distributed(code)
     return code
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
+
+
+def _write_traceback(err: BaseException) -> str:
+    """Writes ``err``'s full traceback to a new file (``$TMPDIR/zinfjax-traceback-*.txt``) and returns its path."""
+    fd, path = tempfile.mkstemp(prefix="zinfjax-traceback-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(f"zinfjax {' '.join(sys.argv[1:])}\n\n")
+        f.write("".join(traceback.format_exception(err)))
+    return path
 
 
 def _reader_left() -> int:

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
-import os
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -22,14 +20,13 @@ from typing import Any
 import yaml
 
 from zinfjax.errors import ConfigError, printable
+from zinfjax.mappings import DuplicateKeyError, UniqueKeyLoader, parse_problem, read_mapping
 from zinfjax.units import parse_bytes
+from zinfjax.vocabulary import PRECISIONS, TIER_KEYS, TIERS
 
-TIERS = ("device", "host", "nvme")
-PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adagrad", "rmsprop", "lamb", "adafactor")
 DECAYS = ("constant", "linear", "cosine")
 WARMUPS = ("linear", "log")
-TIER_KEYS = ("params", "optimizer", "gradients", "activations")
 
 
 @dataclass(frozen=True)
@@ -216,65 +213,6 @@ def parse_mesh(text: str) -> dict[str, int]:
     return axes
 
 
-def read_mapping(path: str, what: str = "config file", error: type[Exception] = ConfigError) -> dict[str, Any]:
-    """Reads a JSON or YAML file into a dict; errors (of type ``error``) name the file as ``what``.
-
-    Example:
-        >>> read_mapping("examples/demo.yaml")["model"]
-        'gpt2-mini'
-    """
-    if not os.path.isfile(path):
-        raise error(f"{what} {path!r} does not exist")
-    try:
-        with open(path) as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise error(f"{what} {path!r} cannot be read: {getattr(err, 'strerror', None) or err}") from err
-    try:
-        if path.endswith(".json"):
-            values = json.loads(text, object_pairs_hook=_unique_pairs)
-        else:
-            values = yaml.load(text, Loader=UniqueKeyLoader)
-    except (ValueError, yaml.YAMLError) as err:  # json.JSONDecodeError and DuplicateKeyError are ValueErrors
-        raise error(f"{what} {path!r} cannot be parsed: {parse_problem(err)}") from err
-    if values is None:
-        values = {}
-    if not isinstance(values, dict):
-        raise error(f"{what} {path!r} must hold a mapping of keys to values")
-    return values
-
-
-class DuplicateKeyError(ValueError):
-    """A key given twice in one mapping of a JSON or YAML file (both parsers would keep the last silently)."""
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise DuplicateKeyError(f"key {key!r} is given twice in one object; keep one")
-        out[key] = value
-    return out
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping."""
-
-    def construct_mapping(self, node, deep=False):
-        lines: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<:` merges may override keys; that is YAML's meaning, not a mistake
-            key, line = self.construct_object(key_node, deep=deep), key_node.start_mark.line + 1
-            try:
-                if key in lines:
-                    raise DuplicateKeyError(f"key {key!r} is given twice (lines {lines[key]} and {line}); keep one")
-                lines[key] = line
-            except TypeError:
-                continue  # an unhashable key: the safe loader's own error names it
-        return super().construct_mapping(node, deep)
-
-
 def _parse_value(item: str, raw: str) -> Any:
     """The value of a ``--set key=value`` override, parsed as a YAML scalar."""
     try:
@@ -282,15 +220,6 @@ def _parse_value(item: str, raw: str) -> Any:
     except (yaml.YAMLError, DuplicateKeyError) as err:
         raise ConfigError(f"--set {item!r}: the value cannot be parsed ({parse_problem(err)}); "
                           "quote it, e.g. key='value'") from err
-
-
-def parse_problem(err: Exception) -> str:
-    """One line on what a JSON or YAML parser found wrong, and where."""
-    problem = getattr(err, "problem", None)
-    if problem is None:
-        return str(err).splitlines()[0] if str(err) else type(err).__name__
-    mark = getattr(err, "problem_mark", None)
-    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
 def is_deepspeed(values: dict[str, Any]) -> bool:
@@ -388,9 +317,7 @@ def _validate(c: Config) -> None:
     _check(not (c.overwrite and c.resuming),
            "overwrite=true starts a new run in save_dir and resume continues the one there; set only one")
     parse_mesh(c.mesh)
-    from zinfjax.models.configs import ModelConfig
-
-    ModelConfig.resolve(c.model)
+    _check(bool(c.model), "model is empty; give a named size (e.g. gpt2-tiny), a model file or a checkpoint directory")
 
 
 KEY_DOCS = {

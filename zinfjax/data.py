@@ -31,7 +31,7 @@ class DataError(UserError):
 
 def demo_corpus() -> bytes:
     """The embedded demo corpus: about 460 KB of English text from Python's own help topics."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # lazy: 700 KB of help text, loaded only for the demo corpus
 
     return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
 

@@ -1,4 +1,4 @@
-"""Maps a DeepSpeed config JSON onto zinfjax `Config` keys (DESIGN.md, "DeepSpeed terms, mapped").
+"""Maps a DeepSpeed config JSON onto zinfjax `Config` keys (docs/config.md, "DeepSpeed configs").
 
 Keys that only tune how DeepSpeed's own communication or allocator works have no
 meaning under XLA and are accepted without effect (`NO_EFFECT`). Any other key that

@@ -199,6 +199,6 @@ def barrier(name: str, timeout_s: float = 600.0) -> None:
     """
     if jax.process_count() == 1:
         return
-    from jax._src import distributed
+    from jax._src import distributed  # lazy: JAX's private module, reached only with several processes
 
     distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))

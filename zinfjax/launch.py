@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import signal
@@ -133,8 +134,6 @@ def _die_with_parent():
     """
     if not sys.platform.startswith("linux"):
         return None
-    import ctypes
-
     prctl, pr_set_pdeathsig = ctypes.CDLL(None).prctl, 1
     return lambda: prctl(pr_set_pdeathsig, signal.SIGKILL)
 

@@ -2,7 +2,8 @@
 
 Every piece of model state has a *kind*: ``params`` (the compute copy), ``grads``,
 ``opt`` (the optax state) and ``master`` (fp32 master weights under mixed precision).
-A stage decides which kinds are sharded over the mesh axis ``data`` (DESIGN.md):
+A stage decides which kinds are sharded over the mesh axis ``data``; every stage computes the same step
+(docs/design.md, invariant 1):
 
 =====  ===========================================================
 stage  sharded over ``data``

@@ -23,11 +23,15 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from zinfjax import models, rss
-from zinfjax.checkpoint.resume import plan_start
-from zinfjax.config import TIER_KEYS, Config
+from zinfjax.checkpoint import CheckpointManager, CheckpointSaveError, CheckpointSource
+from zinfjax.checkpoint.resume import plan_start, resume_directory
+from zinfjax.config import Config
 from zinfjax.data import Batches, check_vocab, load_tokens
 from zinfjax.distributed import initialize_from_env, is_main_process, process_nvme_path
-from zinfjax.engine.engine import COMPUTE_DTYPES, Engine, update_plan
+from zinfjax.engine.engine import Engine, update_plan
+from zinfjax.engine.trace import Tracer
+from zinfjax.errors import ConfigError, UserError
+from zinfjax.inference.params import resolve_model
 from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.nonfinite import LossWatch
 from zinfjax.optim import make_optimizer, make_schedule
@@ -37,6 +41,7 @@ from zinfjax.program import InitSource, program_for
 from zinfjax.reference import init_state, make_step
 from zinfjax.sharding import batch_sharding, check_batch, make_mesh
 from zinfjax.units import format_bytes
+from zinfjax.vocabulary import COMPUTE_DTYPES, TIER_KEYS
 
 
 class ReferenceTrainer:
@@ -99,9 +104,6 @@ class EngineTrainer:
         self.engine = lm_engine(model, config, mesh, source=self._source)
 
     def _source(self, program, plan):
-        from zinfjax.checkpoint import CheckpointSource
-        from zinfjax.checkpoint.resume import resume_directory
-
         config = self._config
         directory = resume_directory(config) if config.resuming else None  # run's choice: resume=STEP, else newest
         if directory is not None:
@@ -141,13 +143,11 @@ def uses_engine(config: Config) -> bool:
 
 def build_trainer(config: Config):
     """The model, mesh and trainer a config describes."""
-    model_config = models.ModelConfig.resolve(config.model)
+    model_config = resolve_model(config.model)
     model = models.build(model_config, COMPUTE_DTYPES[config.precision])
     mesh = make_mesh(config.mesh_axes())
     check_batch(config.batch_size, mesh, config.grad_accum)
     if config.seq_len > model_config.max_seq_len:
-        from zinfjax.errors import ConfigError
-
         raise ConfigError(f"seq_len={config.seq_len} exceeds the model's context of {model_config.max_seq_len}")
     trainer = EngineTrainer if uses_engine(config) else ReferenceTrainer
     return model, trainer(config, model, mesh)
@@ -167,7 +167,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     config = config.with_batch_for(make_mesh(config.mesh_axes()).shape["data"])  # DeepSpeed's micro-batch
     if config.log and main:
         check_writable_file(config.log, "log")
-    model_config = models.ModelConfig.resolve(config.model)
+    model_config = resolve_model(config.model)
     tokens = load_tokens(config.data)
     check_vocab(tokens, model_config.vocab_size, config.data)
     batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
@@ -256,8 +256,6 @@ class Saver:
     """
 
     def __init__(self, config: Config, model_config, trainer, run_id: str | None = None, start: int = 0):
-        from zinfjax.checkpoint import CheckpointManager
-
         self.every, self.trainer = config.save_every, trainer
         self.manager = CheckpointManager(config.save_dir, keep=config.keep_checkpoints, config=config,
                                          model=model_config, run_id=run_id)
@@ -266,8 +264,6 @@ class Saver:
         self.final_error = None
 
     def after_step(self, step: int, data_position: int, last: bool, finite: bool = True) -> None:
-        from zinfjax.checkpoint import CheckpointSaveError
-
         if finite:  # this loss came from the parameters of step - 1: the checkpoints up to there are good
             self.manager.protect = max((s for s in self.saved if s < step), default=None)
         if not finite or not (last or (self.every and step % self.every == 0)):
@@ -295,8 +291,6 @@ class Saver:
         self.manager.close()
         if self.final_error is None:
             return None
-        from zinfjax.checkpoint import CheckpointSaveError
-
         steps = self.manager.steps()
         newest = (f"the newest checkpoint is step {steps[-1]} (resume=true continues from it)" if steps
                   else "no checkpoint exists")
@@ -317,11 +311,7 @@ def _attach_tracer(trainer, path: str | None):
     if path is None:
         return None
     if not isinstance(trainer, EngineTrainer):
-        from zinfjax.errors import ConfigError
-
         raise ConfigError("--trace records the streaming engine; offload a tier (e.g. --set params=host)")
-    from zinfjax.engine.trace import Tracer
-
     tracer = Tracer()
     tracer.attach(trainer.engine)
     return tracer
@@ -347,6 +337,4 @@ def write_log(log: dict, path: str) -> None:
             json.dump(log, f, indent=1)
         loss_curve(log, os.path.splitext(path)[0] + ".png")
     except OSError as e:
-        from zinfjax.errors import UserError
-
         raise UserError(f"the log {path} could not be written after training: {e.strerror or e}") from e

@@ -24,14 +24,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from zinfjax.checkpoint import CheckpointSource
 from zinfjax.config import Config
-from zinfjax.engine.engine import COMPUTE_DTYPES, BatchError, Engine, update_plan
+from zinfjax.engine.engine import BatchError, Engine, update_plan
 from zinfjax.engine.source import TreeSource
 from zinfjax.errors import UserError
 from zinfjax.models.stacked import StackedLM, lm_init, lm_loss
 from zinfjax.program import InitSource, program_for
 from zinfjax.sharding import make_mesh
+from zinfjax.vocabulary import COMPUTE_DTYPES
 
 DOCS = "docs/models.md"
 
@@ -155,8 +158,6 @@ def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=
 
     def source_for(program, plan):
         if restore is not None:
-            from zinfjax.checkpoint import CheckpointSource
-
             return CheckpointSource(restore, program, plan)
         if abstract:
             return InitSource(program, init_fn, jax.random.key(config.seed))
@@ -234,16 +235,10 @@ def _checked_state(opt_state, plan):
 
 
 def _is_nnx_optimizer(state) -> bool:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax always ships nnx
-        return False
     return isinstance(state, nnx.Optimizer)
 
 
 def _wrap_nnx(optimizer, config: Config, loss_fn, mesh, model, restore, batch, partition_rules) -> WrappedState:
-    from flax import nnx
-
     if model is None:
         raise WrapError("wrapping an nnx.Optimizer needs its model: zinfjax.wrap(optimizer, config, model=model, "
                         "loss_fn=loss_fn)")
@@ -264,8 +259,6 @@ def _wrap_nnx(optimizer, config: Config, loss_fn, mesh, model, restore, batch, p
 
     def source_for(program, plan):
         if restore is not None:
-            from zinfjax.checkpoint import CheckpointSource
-
             return CheckpointSource(restore, program, plan)
         return TreeSource(program, plan, params, _checked_state(opt_state, plan), step)
 
@@ -285,8 +278,6 @@ _NNX_LOSSES: dict = {}
 
 def _nnx_loss(loss_fn, graphdef, params_state, rest):
     """``loss(params, batch[, rng])`` over a pure parameter dict, from an NNX ``loss_fn(model, batch[, rng])``."""
-    from flax import nnx
-
     key = (loss_fn, graphdef)
     if key in _NNX_LOSSES:
         return _NNX_LOSSES[key]
@@ -310,8 +301,6 @@ def _nnx_loss(loss_fn, graphdef, params_state, rest):
 
 def _pure(tree):
     """An NNX optimizer state as plain optax state: variables as their values, ``nnx.State`` as dicts."""
-    from flax import nnx
-
     def convert(x):
         if isinstance(x, nnx.Variable):
             return x[...]

@@ -25,8 +25,8 @@ import sys
 import time
 
 from zinfjax.benchmarks.io import parse_size, raw_direct_io
+from zinfjax.vocabulary import TIERS
 
-TIERS = ("device", "host", "nvme")
 GB = 1e9
 
 

@@ -46,6 +46,7 @@ import time
 from zinfjax.benchmarks.cgroup import MemoryCgroup
 from zinfjax.benchmarks.deepspeed_step import CONSTRUCTIONS, ds_config
 from zinfjax.benchmarks.io import parse_size, raw_direct_io
+from zinfjax.errors import UserError
 
 GB = 1e9
 PRECISIONS = ("fp32", "bf16")
@@ -234,11 +235,10 @@ def deepspeed_configs(args, precision: str) -> dict[str, dict]:
 
 def model_shape(args) -> dict:
     """The Hugging Face GPT-2 shape of ``args.model`` (a zinfjax gpt2 size)."""
-    from zinfjax.errors import UserError
-    from zinfjax.models import ModelConfig
+    from zinfjax.inference.params import resolve_model
 
     try:
-        m = ModelConfig.resolve(args.model)
+        m = resolve_model(args.model)
     except UserError as e:
         raise SystemExit(f"zinfjax bench versus-deepspeed: {e}") from e
     if m.arch != "gpt2":

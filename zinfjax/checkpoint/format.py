@@ -27,6 +27,7 @@ import os
 import jax
 import numpy as np
 
+from zinfjax.checkpoint.schema import check_meta, damaged
 from zinfjax.store import manifest
 
 ITEMS = ("params", "opt_state")
@@ -110,8 +111,6 @@ def read_meta(directory: str) -> dict:
         CheckpointCorruptError: the file is missing, unreadable, not JSON, or lacks a key or has a
             value of the wrong type (one line, naming the key).
     """
-    from zinfjax.checkpoint.schema import check_meta, damaged
-
     path = os.path.join(directory, META)
     try:
         with open(path, "rb") as f:

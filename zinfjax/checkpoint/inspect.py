@@ -131,7 +131,8 @@ def _copy_leaf(src: str, dst: str, meta: dict, dtype: str) -> int:
     found = fmt.leaf_metadata(source.shape, source.dtype.numpy_dtype, source.chunk_layout.read_chunk.shape)
     said = {k: meta.get(k) for k in found}
     if found != said:  # zinfjax.json and the array disagree: trust neither with sizes
-        raise ValueError(f"{src}/zarr.json holds {found}, {fmt.META} says {said}")
+        raise CheckpointCorruptError(f"{src}/zarr.json holds {found}, {fmt.META} says {said}; the checkpoint is "
+                                     "damaged: restore it or use another")
     target = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": dst},
                       "metadata": fmt.zarr_metadata({**meta, "dtype": dtype})}, create=True).result()
     shape, rows = meta["shape"], (meta["chunk_shape"] or [1])[0]

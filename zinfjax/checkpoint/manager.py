@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import os
 import shutil
 import time
@@ -287,8 +288,6 @@ def _staging_dir(engine, step: int) -> str | None:
 def _model_dict(model) -> dict | None:
     if model is None:
         return None
-    import dataclasses
-
     return dataclasses.asdict(model) if dataclasses.is_dataclass(model) else {"name": str(model)}
 
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import CheckpointError
+from zinfjax.checkpoint.manager import _commit, _syncfs, _write_metadata
 from zinfjax.checkpoint.snapshot import Leaf, leaf_name
 from zinfjax.program.optimizer import owner_of
 from zinfjax.program.split import path_str, plain_keys
@@ -129,8 +130,6 @@ class CheckpointWriter:
 
     def commit(self) -> str:
         """Checks every chunk is there, writes the metadata and makes the checkpoint visible; returns its path."""
-        from zinfjax.checkpoint.manager import _commit, _syncfs, _write_metadata
-
         missing = self.missing()
         if missing:
             raise CheckpointError(f"{len(missing)} chunks were never written, e.g. {', '.join(missing[:5])}")

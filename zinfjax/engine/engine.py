@@ -38,18 +38,16 @@ from zinfjax.engine import progress
 from zinfjax.engine.budget import plan_budget
 from zinfjax.engine.placement import Placement
 from zinfjax.engine.readahead import Read, ReadAhead
-from zinfjax.engine.source import unslice
 from zinfjax.engine.stores import acts_spec, budget_needs, build_stores, dir_name, plan_stores
 from zinfjax.engine.telemetry import StepTelemetry
 from zinfjax.engine.units import Units
 from zinfjax.errors import UserError
 from zinfjax.program import jaxpr as jx
 from zinfjax.program.optimizer import UpdatePlan, combine_partials
-from zinfjax.program.split import Program
+from zinfjax.program.split import Program, unslice
 from zinfjax.program.stages import StageFunctions, differentiable, zero_cotangent
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
-
-COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+from zinfjax.vocabulary import COMPUTE_DTYPES
 
 
 class BatchError(UserError):

@@ -2,15 +2,12 @@
 
 Nothing is allocated: the parameters come from ``jax.eval_shape``, and each leaf's shard
 shape from the same `ShardingRules` the engine stores it with. The table compares the figures
-with ZeRO's formulas; docs/sharding.md holds the one for GPT-2 small on 8 devices.
-
-Example:
-    $ python -m zinfjax.engine.memory --model gpt2-small --devices 8
+with ZeRO's formulas; docs/sharding.md holds the one for GPT-2 small on 8 devices
+(`zinfjax.benchmarks.state_table` makes it for a named model).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import jax
@@ -20,7 +17,7 @@ import optax
 
 from zinfjax.program.optimizer import owner_of
 from zinfjax.program.split import path_str
-from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, shard_shape
+from zinfjax.sharding import ShardingRules, shard_shape
 
 
 def stacked_blocks(path: str) -> bool:
@@ -86,53 +83,7 @@ def zero_formula(stage: int, psi: int, n: int, p: int = 4, g: int = 4, k: int = 
     return (p + g + k - sharded) * psi + sharded * psi / n
 
 
-def abstract_params(model_name: str):
-    """The abstract parameters of a named model (``jax.eval_shape``, nothing allocated)."""
-    from zinfjax import models
-    from zinfjax.models.stacked import lm_init
-
-    return jax.eval_shape(lm_init(models.build(model_name)), jax.random.key(0))
-
-
 PRECISIONS = {  # compute dtype, and ZeRO's bytes per parameter: p params, g grads, K optimizer (+ master)
     "fp32": (jnp.float32, 4, 4, 8),
     "bf16": (jnp.bfloat16, 2, 4, 12),  # gradients stay fp32 in the gradient tier
 }
-
-
-def memory_table(model_name: str = "gpt2-small", devices: int = 8, threshold: int = PERSISTENCE_THRESHOLD,
-                 precision: str = "fp32") -> str:
-    """A markdown table of per-device model-state bytes for stages 0-3 (Adam), against ZeRO's formula.
-
-    Example:
-        >>> print(memory_table("gpt2-small", 8, precision="bf16"))
-    """
-    abstract = abstract_params(model_name)
-    psi = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
-    dtype, p, g, k = PRECISIONS[precision]
-    lines = [f"{model_name}: Ψ = {psi:,} parameters, {devices} devices on `data`, {precision} Adam "
-             f"(p={p}, g={g}, K={k}), threshold {threshold} elements", "",
-             "| stage | params MiB | grads MiB | optimizer MiB | total MiB | formula MiB | total / formula |",
-             "|---|---|---|---|---|---|---|"]
-    mib = 2.0**20
-    for stage in range(4):
-        b = state_bytes(abstract, optax.adamw(1e-3), ShardingRules(stage, devices, 1, (), threshold), dtype)
-        total, formula = sum(b.values()), zero_formula(stage, psi, devices, p, g, k)
-        opt = b["opt"] + b.get("master", 0)
-        lines.append(f"| {stage} | {b['params'] / mib:.1f} | {b['grads'] / mib:.1f} | {opt / mib:.1f} | "
-                     f"{total / mib:.1f} | {formula / mib:.1f} | {total / formula:.4f} |")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2-small")
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--threshold", type=int, default=PERSISTENCE_THRESHOLD)
-    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
-    args = parser.parse_args(argv)
-    print(memory_table(args.model, args.devices, args.threshold, args.precision))
-
-
-if __name__ == "__main__":
-    main()

@@ -18,35 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def store_slice(leaf, x, i: int):
-    """Slice ``i`` of leaf ``x`` as a store holds it: a layer, a row chunk padded to its rows, or the whole leaf.
-
-    Example:
-        >>> store_slice(leaf, np.zeros((10, 4)), 2).shape    # chunks of 4 rows, padded to 12
-        (4, 4)
-    """
-    stream = leaf.stream
-    if stream is None:
-        return x
-    if stream.rows == 0:
-        return x[i]
-    chunk = x[i * stream.rows : (i + 1) * stream.rows]
-    pad = stream.rows - chunk.shape[0]
-    if pad:
-        chunk = jnp.pad(jnp.asarray(chunk), [(0, pad)] + [(0, 0)] * (np.ndim(x) - 1))
-    return chunk
-
-
-def unslice(leaf, slices: list):
-    """A whole leaf from its store slices (the inverse of `store_slice`)."""
-    stream = leaf.stream
-    if stream is None:
-        (x,) = slices
-        return x
-    if stream.rows == 0:
-        return jnp.stack(slices)
-    return jnp.concatenate(slices)[: leaf.shape[0]]
+from zinfjax.program.split import store_slice
 
 
 class TreeSource:

@@ -21,10 +21,11 @@ import numpy as np
 from zinfjax import models
 from zinfjax.config import Config
 from zinfjax.data import Batches, check_vocab, load_tokens
-from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.engine.readahead import Read, ReadAhead
+from zinfjax.errors import ConfigError
 from zinfjax.inference.generate import abstract_params
 from zinfjax.inference.params import ParamStores, checkpoint_model
+from zinfjax.vocabulary import COMPUTE_DTYPES
 
 
 def evaluate(source: str, data: str, config: Config, batches: int = 8, model=None) -> dict:
@@ -41,8 +42,6 @@ def evaluate(source: str, data: str, config: Config, batches: int = 8, model=Non
     tokens = load_tokens(data)
     check_vocab(tokens, model.vocab_size, data)
     if config.seq_len > model.max_seq_len:
-        from zinfjax.errors import ConfigError
-
         raise ConfigError(f"seq_len={config.seq_len} exceeds the model's context of {model.max_seq_len}")
     layers = models.build(model, COMPUTE_DTYPES[config.precision]).layers()
     fns = _jitted(layers)

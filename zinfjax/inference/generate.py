@@ -26,14 +26,14 @@ import numpy as np
 
 from zinfjax import models
 from zinfjax.config import Config
-from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.engine.stores import SCRATCH_NVME
 from zinfjax.errors import ConfigError
-from zinfjax.inference.params import ParamStores
+from zinfjax.inference.params import ParamStores, checkpoint_model
 from zinfjax.inference.sampling import Sampling, next_tokens
 from zinfjax.models import ModelConfig
 from zinfjax.store import open_store
+from zinfjax.vocabulary import COMPUTE_DTYPES
 
 
 @dataclasses.dataclass
@@ -146,8 +146,6 @@ def generate(source, prompts, max_new_tokens: int, config: Config | None = None,
     Example:
         >>> generate("runs/ckpt", [[1, 2, 3]] * 8, 16, Config(params="nvme", nvme_path="/mnt/nv")).tokens[0]
     """
-    from zinfjax.inference.params import checkpoint_model
-
     config = config or Config()
     sampling = sampling or Sampling()
     prompts = check_prompts(prompts)

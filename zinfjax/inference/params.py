@@ -15,18 +15,17 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tensorstore as ts
 
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import CheckpointError
 from zinfjax.checkpoint.manager import latest_checkpoint
 from zinfjax.config import Config
 from zinfjax.engine.budget import with_defaults
-from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.engine.stores import SCRATCH_NVME
 from zinfjax.models import ModelConfig
 from zinfjax.store import BufferPool, open_store
-
-GROUPS = ("embed", "blocks", "head")
+from zinfjax.vocabulary import COMPUTE_DTYPES, GROUPS
 
 
 def checkpoint_model(path: str) -> tuple[str, ModelConfig]:
@@ -46,6 +45,20 @@ def checkpoint_model(path: str) -> tuple[str, ModelConfig]:
         raise CheckpointError(f"{directory} does not record its model (it was saved without one); save through "
                               "`zinfjax train` or `zinfjax convert`, which record it")
     return directory, ModelConfig.from_dict(model, f"the model recorded in {directory}")
+
+
+def resolve_model(spec: str) -> ModelConfig:
+    """A named size, a ModelConfig JSON/YAML file, or the model a zinfjax checkpoint (or save_dir) records.
+
+    Example:
+        >>> resolve_model("gpt2-tiny").n_layers
+        4
+        >>> resolve_model("runs/gpt2").vocab_size      # a checkpoint written by `zinfjax convert`
+        50257
+    """
+    if os.path.isdir(spec):
+        return checkpoint_model(spec)[1]
+    return ModelConfig.resolve(spec)
 
 
 class ParamStores:
@@ -82,8 +95,6 @@ class ParamStores:
 
     @classmethod
     def from_checkpoint(cls, path: str, abstract, config: Config) -> ParamStores:
-        import tensorstore as ts
-
         directory = latest_checkpoint(path)
         ps = cls(abstract, config)
         for g in GROUPS:

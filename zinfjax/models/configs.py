@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 
 from zinfjax.errors import ConfigError
+from zinfjax.mappings import read_mapping
+from zinfjax.models.vocab import vocab_chunks
 
 ARCH_NAMES = ("gpt2", "llama", "bert")
 
@@ -45,8 +47,6 @@ class ModelConfig:
     @property
     def chunks(self) -> int:
         """The row chunks of the vocabulary table: ``vocab_chunks``, or a count that keeps each about 8 MiB."""
-        from zinfjax.models.vocab import vocab_chunks
-
         return self.vocab_chunks or vocab_chunks(self.vocab_size, self.d_model)
 
     @staticmethod
@@ -58,25 +58,20 @@ class ModelConfig:
 
     @staticmethod
     def resolve(spec: str) -> ModelConfig:
-        """A named size, a ModelConfig JSON/YAML file, or the model a zinfjax checkpoint (or save_dir) records.
+        """A named size or a ModelConfig JSON/YAML file.
+
+        A checkpoint directory (or save_dir) names a model too; `zinfjax.inference.params.resolve_model`
+        reads it, as models know no checkpoints (docs/design.md, the layering).
 
         Example:
             >>> ModelConfig.resolve("gpt2-tiny").n_layers
             4
-            >>> ModelConfig.resolve("runs/gpt2").vocab_size      # a checkpoint written by `zinfjax convert`
-            50257
         """
         if spec in NAMED:
             return NAMED[spec]
-        if os.path.isdir(spec):
-            from zinfjax.inference.params import checkpoint_model
-
-            return checkpoint_model(spec)[1]
         if not os.path.isfile(spec):
             raise ConfigError(f"unknown model {spec!r}; choose one of {', '.join(NAMED)}, or give a ModelConfig "
                               "JSON/YAML file or a zinfjax checkpoint directory (zinfjax convert writes one)")
-        from zinfjax.config import read_mapping
-
         return ModelConfig.from_dict(read_mapping(spec, "model file"), spec)
 
     @staticmethod

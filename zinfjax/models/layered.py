@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from zinfjax.errors import UserError
+from zinfjax.vocabulary import GROUPS
 
 Params = Any
-GROUPS = ("embed", "blocks", "head")
 DOCS = "docs/layered.md"
 
 

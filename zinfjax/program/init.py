@@ -20,10 +20,10 @@ import functools
 
 import jax
 
-from zinfjax.engine.source import store_slice
 from zinfjax.errors import UserError
 from zinfjax.program import jaxpr as jx
 from zinfjax.program import rows
+from zinfjax.program.split import store_slice
 
 
 class InitError(UserError):

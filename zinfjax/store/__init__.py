@@ -17,6 +17,7 @@ from zinfjax.store.errors import (
     StoreLockedError,
     StorePathError,
     StoreSpaceError,
+    StoreUsageError,
 )
 from zinfjax.store.factory import TIERS, open_store, staging_bytes
 from zinfjax.store.layout import layer_sharding, stacked_sharding
@@ -37,6 +38,7 @@ __all__ = [
     "StoreError",
     "StoreLockedError",
     "StorePathError",
+    "StoreUsageError",
     "StoreSpaceError",
     "StoreStats",
     "layer_sharding",

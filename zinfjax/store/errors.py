@@ -1,8 +1,10 @@
 """Errors raised by the tiered store.
 
-Errors the user can fix (a path, the disk, the budget, a lock, a mismatched store) derive from
-`zinfjax.errors.UserError`, so the CLI prints them as one line. A checksum failure is not the
-user's mistake but the disk's: `StoreCorruptionError` names the leaf and layer that failed.
+Every store error is a `StoreError`. Those the user can fix (a tier, path or option the store
+cannot use, the disk, the budget, a lock, a mismatched store) are also `zinfjax.errors.UserError`s,
+so the CLI prints them as one line. The rest are not the user's: a plain `StoreError` is a store
+used out of order (closed, or read after a failed write), and a checksum failure is the disk's
+(`StoreCorruptionError` names the leaf and layer that failed).
 """
 
 from zinfjax.errors import UserError
@@ -10,6 +12,10 @@ from zinfjax.errors import UserError
 
 class StoreError(Exception):
     """Base class of every error the store raises."""
+
+
+class StoreUsageError(StoreError, UserError):
+    """A tier, path, option or tree the store cannot use; the message says which value to change."""
 
 
 class BufferBudgetError(StoreError, UserError):

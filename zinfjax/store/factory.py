@@ -8,13 +8,12 @@ import jax
 
 from zinfjax.store.base import LayerStore
 from zinfjax.store.chunkfile import slot_bytes
-from zinfjax.store.errors import StoreError
+from zinfjax.store.errors import StoreUsageError
 from zinfjax.store.layout import leaf_layout, leaf_names
 from zinfjax.store.memory import DeviceStore, HostStore
 from zinfjax.store.nvme import NvmeStore
 from zinfjax.store.pool import BufferPool
-
-TIERS = ("device", "host", "nvme")
+from zinfjax.vocabulary import TIERS
 
 
 def open_store(
@@ -55,7 +54,7 @@ def open_store(
     """
     layouts = _layouts(like, mesh_sharding)
     if len({lay.num_layers for lay in layouts}) > 1:
-        raise StoreError(
+        raise StoreUsageError(
             f"all leaves need the same number of layers, got {sorted({lay.num_layers for lay in layouts})}"
         )
     if tier == "device":
@@ -64,9 +63,9 @@ def open_store(
         return HostStore(like, layouts)
     if tier == "nvme":
         if path is None:
-            raise StoreError("the nvme tier needs a path (nvme_path)")
+            raise StoreUsageError("the nvme tier needs a path; set nvme_path=/path/on/fast/disk")
         return NvmeStore(like, layouts, os.path.join(path, name), pool, create=create, **nvme_options)
-    raise StoreError(f"unknown tier {tier!r}; choose one of {TIERS}")
+    raise StoreUsageError(f"unknown tier {tier!r}; use one of {', '.join(TIERS)}")
 
 
 def staging_bytes(like, mesh_sharding=None) -> int:

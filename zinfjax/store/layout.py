@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from zinfjax.store.errors import StoreError
+from zinfjax.store.errors import StoreUsageError
 
 Index = tuple[slice, ...]
 
@@ -40,12 +40,12 @@ def layer_sharding(stacked: Sharding | None) -> Sharding:
     if isinstance(stacked, NamedSharding):
         spec = tuple(stacked.spec)
         if spec and spec[0] is not None:
-            raise StoreError(
+            raise StoreUsageError(
                 f"the layer axis (axis 0) of a stacked leaf must not be sharded, got spec {stacked.spec}; "
                 "use PartitionSpec(None, ...)"
             )
         return NamedSharding(stacked.mesh, PartitionSpec(*spec[1:]), memory_kind=stacked.memory_kind)
-    raise StoreError(f"the store handles NamedSharding or SingleDeviceSharding, got {type(stacked).__name__}")
+    raise StoreUsageError(f"the store handles NamedSharding or SingleDeviceSharding, got {type(stacked).__name__}")
 
 
 def stacked_sharding(layer: Sharding) -> Sharding:
@@ -70,7 +70,7 @@ def leaf_names(tree) -> list[str]:
     paths, _ = jax.tree_util.tree_flatten_with_path(tree)
     names = [_safe_name(path) for path, _ in paths]
     if len(set(names)) != len(names):
-        raise StoreError(f"leaf names collide after sanitising: {names}")
+        raise StoreUsageError(f"leaf names collide after sanitising: {names}")
     return names
 
 
@@ -141,7 +141,7 @@ class LeafLayout:
 def leaf_layout(name: str, like: jax.ShapeDtypeStruct, stacked: Sharding | None) -> LeafLayout:
     """The `LeafLayout` of a stacked leaf `like`, sharded as `stacked` (or the default device)."""
     if len(like.shape) < 1:
-        raise StoreError(f"leaf {name!r} has shape {like.shape}; stacked leaves need a layer axis (L, ...)")
+        raise StoreUsageError(f"leaf {name!r} has shape {like.shape}; stacked leaves need a layer axis (L, ...)")
     shape = tuple(int(d) for d in like.shape[1:])
     sharding = with_memory_kind(layer_sharding(stacked), "device")
     _check_even(name, shape, sharding)
@@ -154,7 +154,7 @@ def _check_even(name: str, shape: tuple[int, ...], sharding: Sharding) -> None:
     shard = sharding.shard_shape(shape)
     for dim, (n, s) in enumerate(zip(shape, shard, strict=True)):
         if s and n % s:
-            raise StoreError(
+            raise StoreUsageError(
                 f"leaf {name!r}: layer axis {dim} of size {n} does not split evenly into shards of {s}"
             )
 

@@ -29,6 +29,7 @@ from zinfjax.store.errors import (
     StoreError,
     StorePathError,
     StoreSpaceError,
+    StoreUsageError,
 )
 from zinfjax.store.layout import LeafLayout, Shard
 from zinfjax.store.lock import StoreLock
@@ -131,7 +132,7 @@ class NvmeStore(LayerStore):
     ):
         super().__init__(like, layouts)
         if chunk_io not in CHUNK_IO:
-            raise ValueError(f"chunk_io={chunk_io!r}; use one of {CHUNK_IO}")
+            raise StoreUsageError(f"chunk_io={chunk_io!r} is not allowed; use one of {', '.join(CHUNK_IO)}")
         self.chunk_io = chunk_io
         self._sync = context.get("file_io_sync", True)
         self._atomic = atomic

@@ -7,6 +7,8 @@ import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 
+from zinfjax.store.errors import StoreUsageError
+
 
 @dataclasses.dataclass
 class ReadRecord:
@@ -49,7 +51,7 @@ class Prefetcher:
 
     def __init__(self, store, schedule: Sequence[int], depth: int):
         if depth < 0:
-            raise ValueError(f"prefetch depth must be >= 0, got {depth}")
+            raise StoreUsageError(f"prefetch depth={depth} must be 0 or more; set prefetch_depth=0 or above")
         self.store = store
         self.schedule = [int(i) for i in schedule]
         self.depth = int(depth)

@@ -1,0 +1,22 @@
+"""The examples in the docstrings of the pure modules run, and print what they say.
+
+Only modules whose examples are self-contained are listed; others show a call in context (a store,
+a checkpoint on disk) and are read, not run.
+"""
+
+import doctest
+import importlib
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODULES = ["zinfjax.units", "zinfjax.vocabulary", "zinfjax.mappings", "zinfjax.program.jaxpr", "zinfjax.models.configs"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name, monkeypatch):
+    monkeypatch.chdir(ROOT)  # examples name files by their path in the repository (examples/demo.yaml)
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0, f"{name} has no examples to run"
+    assert result.failed == 0
