@@ -55,7 +55,7 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
         >>> initialize_from_env()
         True
     """
-    env = os.environ if environ is None else environ
+    env = with_torchrun_names(os.environ if environ is None else environ)
     if NUM_PROCESSES not in env:
         return False
     if jax.distributed.is_initialized():
@@ -74,6 +74,26 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
     _connect(address, count, rank, timeout)
     _fail_fast_on_uncaught_errors()
     return True
+
+
+TORCHRUN = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def with_torchrun_names(env: Mapping[str, str]) -> Mapping[str, str]:
+    """``env`` with the ``ZINFJAX_*`` variables taken from torchrun's, when only those are set.
+
+    So a job started by ``torchrun`` or a cluster script that exports torch's variables joins
+    without a wrapper.
+
+    Example:
+        >>> with_torchrun_names({"WORLD_SIZE": "4", "RANK": "1", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"})[
+        ...     "ZINFJAX_COORDINATOR"]
+        'n0:29500'
+    """
+    if NUM_PROCESSES in env or not all(k in env for k in TORCHRUN):
+        return env
+    return {**env, NUM_PROCESSES: env["WORLD_SIZE"], PROCESS_ID: env["RANK"],
+            COORDINATOR: f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"}
 
 
 def _connect(address: str, count: int, rank: int, timeout: int) -> None:

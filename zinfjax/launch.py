@@ -1,9 +1,10 @@
 """``zinfjax launch``: N copies of a command on this machine, joined by `jax.distributed`.
 
 Each copy gets the ``ZINFJAX_*`` variables that `zinfjax.distributed.initialize_from_env`
-reads; its output is streamed with a ``[rank i]`` prefix. When any copy fails (a non-zero
-exit, or killed by a signal) the others are stopped at once, so a run never hangs on a dead
-peer, and the launch reports which rank failed and how.
+reads and, on a host with GPUs, its own equal share of them in ``CUDA_VISIBLE_DEVICES``. Its
+output is streamed with a ``[rank i]`` prefix. When any copy fails (a non-zero exit, or killed
+by a signal) the others are stopped at once, so a run never hangs on a dead peer, and the
+launch reports which rank failed and how. Several hosts: docs/engine.md, "Several processes".
 
 Example:
     >>> launch(["zinfjax", "train", "run.yaml"], num_processes=2, devices_per_process=2)
@@ -69,7 +70,41 @@ def process_env(rank: int, num_processes: int, coordinator: str, devices_per_pro
     })
     if devices_per_process is not None:
         env[distributed.LOCAL_DEVICES] = str(devices_per_process)
+    gpus = host_gpus(env)
+    if gpus:
+        env[VISIBLE_GPUS] = ",".join(gpus_of_rank(rank, num_processes, gpus))
     return env
+
+
+VISIBLE_GPUS = "CUDA_VISIBLE_DEVICES"
+
+
+def host_gpus(env: dict) -> list[str]:
+    """The GPUs this host offers: ``CUDA_VISIBLE_DEVICES`` when set, else the NVIDIA driver's list (none on CPU).
+
+    Example:
+        >>> host_gpus({"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+        ['0', '1', '2', '3']
+    """
+    if VISIBLE_GPUS in env:
+        return [g.strip() for g in env[VISIBLE_GPUS].split(",") if g.strip() and g.strip() != "-1"]
+    driver = "/proc/driver/nvidia/gpus"
+    return [str(i) for i in range(len(os.listdir(driver)))] if os.path.isdir(driver) else []
+
+
+def gpus_of_rank(rank: int, num_processes: int, gpus: list[str]) -> list[str]:
+    """Rank ``rank``'s own share of ``gpus``: an equal, contiguous slice, so no two ranks share a GPU.
+
+    Example:
+        >>> gpus_of_rank(1, 2, ["0", "1", "2", "3"])
+        ['2', '3']
+    """
+    if len(gpus) % num_processes:
+        raise UserError(f"-n {num_processes} processes cannot share the {len(gpus)} GPUs of this host "
+                        f"({VISIBLE_GPUS}={','.join(gpus)}) equally; launch a divisor of {len(gpus)} processes, "
+                        f"or set {VISIBLE_GPUS} to a multiple of {num_processes} GPUs")
+    share = len(gpus) // num_processes
+    return gpus[rank * share : (rank + 1) * share]
 
 
 def launch(command: Sequence[str], num_processes: int, port: int | None = None,
