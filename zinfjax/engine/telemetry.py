@@ -10,6 +10,10 @@ The metrics of one step (all times in seconds, wall clock of the host thread dri
   for every write, the shards whose first local copy it holds. A replicated leaf costs each
   device all of it; a leaf split over N devices costs each 1/N: the aggregate bandwidth of
   ZeRO-Infinity's bandwidth-centric partitioning.
+- ``host_link_bytes``: bytes that crossed between host memory and the compute devices, both
+  directions summed: every read from and write to the ``host`` and ``nvme`` tiers (NVMe data
+  is staged in host memory). On the CPU backend host and device are one memory, so this is
+  what the same run would move over PCIe on an accelerator.
 - ``step_s``: the whole step, until its last write has landed.
 - ``stall_s``: time the step waited for a read it needed next (``future.result()`` in the
   read-ahead). Reads issued ahead that complete before they are needed cost no stall.
@@ -127,6 +131,17 @@ class StepTelemetry:
             "compute_s": step_s - self.stall_s,
             "read_s": io_s,
             "overlap": overlap,
-            **self.bytes_by_tier(),
+            **(by_tier := self.bytes_by_tier()),
+            "host_link_bytes": host_link_bytes(by_tier),
             **self.per_device,
         }
+
+
+def host_link_bytes(by_tier: dict[str, int]) -> int:
+    """Bytes read from and written to the tiers that live off the device (host and nvme).
+
+    Example:
+        >>> host_link_bytes({"read_bytes_nvme": 10, "write_bytes_nvme": 8, "read_bytes_device": 99})
+        18
+    """
+    return sum(v for k, v in by_tier.items() if k.endswith(("_host", "_nvme")))
