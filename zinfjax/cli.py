@@ -76,6 +76,46 @@ def _train(args) -> int:
     return 0
 
 
+def add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="bytes of each part of the state, which placements fit this machine, and their predicted step time",
+        description="Plan a run before starting it: for the config's model, batch, precision, stage and mesh, the "
+        "bytes of the parameters, fp32 master weights, optimizer state, gradients and activation checkpoints; for "
+        "each placement of params, optimizer, gradients and activations on device, host or nvme whether it fits "
+        "device memory, the host budget (memory_limit, else the cgroup or available memory) and the free space "
+        "under nvme_path; and a predicted step time. On the CPU backend device memory is host memory, so the "
+        "device and host tiers share the host budget. The prediction times a few steps of the engine on a few "
+        "layers of the model (compute, scaled by FLOPs to every layer), probes the disk under nvme_path (256 MiB of "
+        "O_DIRECT I/O) and the host-copy rate; on the CPU backend step = max(compute + host copies, NVMe I/O) plus "
+        "half the shorter of the two (the I/O threads share the cores), elsewhere the largest of the three. It "
+        "recommends the fastest placement that fits; `zinfjax train --set tiers=auto` trains with it.",
+        epilog="examples:\n  zinfjax plan --set model=gpt2-small --set batch_size=4 --set seq_len=512\n"
+        "  zinfjax plan run.yaml --set nvme_path=/mnt/nvme/run1 --set memory_limit=8GiB --json\n"
+        "  zinfjax train run.yaml --set tiers=auto --set nvme_path=/mnt/nvme/run1",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="?", help="JSON or YAML config file, or a DeepSpeed config JSON (as zinfjax train)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key (see `zinfjax train --help`); repeat for several")
+    p.add_argument("--json", action="store_true", help="print the whole plan as one JSON object")
+    p.add_argument("--no-probe", action="store_true", help="no timing runs: nominal compute, disk and copy rates "
+                   "(fast; the fit figures are the same)")
+    p.add_argument("--all", action="store_true", help="show every placement, not the 12 fastest")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args) -> int:
+    import json
+
+    from zinfjax.config import Config
+    from zinfjax.plan import format_plan, make_plan
+
+    plan = make_plan(Config.load(args.config, args.overrides), probe=not args.no_probe)
+    print(json.dumps(plan) if args.json else format_plan(plan, top=10**6 if args.all else 12))
+    return 0
+
+
 def add_launch(sub) -> None:
     p = sub.add_parser(
         "launch",
@@ -314,6 +354,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     add_train(sub)
+    add_plan(sub)
     add_bench(sub)
     add_launch(sub)
     add_ckpt(sub)

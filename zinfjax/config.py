@@ -27,6 +27,7 @@ from zinfjax.vocabulary import PRECISIONS, TIER_KEYS, TIERS
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adagrad", "rmsprop", "lamb", "adafactor")
 DECAYS = ("constant", "linear", "cosine")
 WARMUPS = ("linear", "log")
+TIER_MODES = ("manual", "auto")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Config:
     optimizer: str = "device"
     gradients: str = "device"
     activations: str = "device"
+    tiers: str = "manual"  # "auto": params/optimizer/gradients/activations from `zinfjax plan`
     kv_cache: str = "device"
     nvme_path: str | None = None
     prefetch_depth: int | None = None  # None: from memory_limit (engine/budget.py)
@@ -281,6 +283,8 @@ def _validate(c: Config) -> None:
     for key in (*TIER_KEYS, "kv_cache"):
         value = getattr(c, key)
         _check(value in TIERS, f"{key}={value!r} is not allowed; use one of {', '.join(TIERS)}")
+    _check(c.tiers in TIER_MODES, f"tiers={c.tiers!r} is not allowed; use manual (the tier keys as set) or auto "
+           "(the placement `zinfjax plan` recommends)")
     _check(
         not c.uses_nvme or bool(c.nvme_path),
         "a tier is 'nvme' but nvme_path is not set; set nvme_path=/path/on/fast/disk",
@@ -327,6 +331,8 @@ KEY_DOCS = {
     "optimizer": "tier of the fp32 master weights and optimizer state: device, host or nvme",
     "gradients": "tier of spooled gradients (used with grad_clip): device, host or nvme",
     "activations": "tier of the layer-boundary activation checkpoints: device, host or nvme",
+    "tiers": "manual: the tier keys as set; auto: params, optimizer, gradients and activations take the fastest "
+             "placement that fits, as `zinfjax plan` predicts it (nvme considered only with nvme_path)",
     "nvme_path": "directory on a fast local disk for the nvme tier",
     "prefetch_depth": "layers read ahead of compute (0 reads on demand); default: what memory_limit allows (1-4)",
     "host_buffer_bytes": "bound on host staging buffers for NVMe I/O, e.g. 512MiB; default: from memory_limit",

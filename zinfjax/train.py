@@ -165,6 +165,8 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     initialize_from_env()
     main = is_main_process()
     config = config.with_batch_for(make_mesh(config.mesh_axes()).shape["data"])  # DeepSpeed's micro-batch
+    if config.tiers == "auto":
+        config = auto_tiers(config, main)
     if config.log and main:
         check_writable_file(config.log, "log")
     model_config = resolve_model(config.model)
@@ -224,6 +226,19 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     if failure is not None:
         raise failure
     return log
+
+
+def auto_tiers(config: Config, main: bool = True) -> Config:
+    """``tiers=auto``: the tier keys from `zinfjax.plan` (probes unless ``ZINFJAX_PLAN_PROBE=0``)."""
+    from zinfjax.plan import resolve_auto
+
+    probe = os.environ.get("ZINFJAX_PLAN_PROBE", "1") != "0"
+    config, plan = resolve_auto(config, probe=probe)
+    if main:
+        chosen = " ".join(f"{k}={getattr(config, k)}" for k in TIER_KEYS)
+        print(f"zinfjax: tiers=auto: {chosen} (predicted {plan['recommended']['step_s']:.3f} s/step; "
+              "zinfjax plan shows the alternatives)", file=sys.stderr)
+    return config
 
 
 def _start(trainer, batches: Batches, log: dict, main: bool) -> int:

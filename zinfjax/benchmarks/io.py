@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import itertools
 import json
-import mmap
 import os
 import shutil
-import threading
 import time
 
 import jax
@@ -26,6 +23,7 @@ import numpy as np
 
 from zinfjax.errors import ConfigError
 from zinfjax.store import BufferPool, Prefetcher, open_store, staging_bytes
+from zinfjax.store.probe import raw_direct_io  # noqa: F401 - the benchmarks' name for it
 from zinfjax.units import parse_bytes
 
 MiB = 1 << 20
@@ -62,53 +60,6 @@ def syncfs(path: str) -> None:
         ctypes.CDLL(None, use_errno=True).syncfs(fd)
     finally:
         os.close(fd)
-
-
-def raw_direct_io(path: str, nbytes: int, block: int = MiB, depth: int = 16) -> dict[str, float]:
-    """Sequential O_DIRECT write (then fsync) and read of `nbytes` with `depth` blocks in flight.
-
-    Each of `depth` threads takes the next block offset in turn, so `depth` consecutive blocks
-    are in flight, as fio's iodepth keeps them.
-    """
-    nblocks = nbytes // block
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT | os.O_TRUNC, 0o644)
-    try:
-        t0 = time.perf_counter()
-        _run_threads(depth, lambda buf, off: os.pwrite(fd, buf, off), nblocks, block, fill=True)
-        os.fsync(fd)
-        write_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _run_threads(depth, lambda buf, off: os.preadv(fd, [buf], off), nblocks, block, fill=False)
-        read_s = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        os.remove(path)
-    moved = nblocks * block
-    return {"raw_write_GBps": moved / write_s / 1e9, "raw_read_GBps": moved / read_s / 1e9}
-
-
-def _run_threads(depth: int, op, nblocks: int, block: int, fill: bool) -> None:
-    counter = itertools.count()
-    errors: list[BaseException] = []
-
-    def worker():
-        buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT requires
-        if fill:
-            buf.write(np.random.default_rng().integers(0, 256, block, dtype=np.uint8).tobytes())
-        try:
-            while (k := next(counter)) < nblocks:
-                if op(buf, k * block) != block:
-                    raise OSError(f"short transfer at block {k}")
-        except BaseException as e:  # noqa: BLE001 - reported after join
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker) for _ in range(depth)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def store_io(

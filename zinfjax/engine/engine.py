@@ -123,9 +123,7 @@ class Engine:
         self.micro = config.grad_accum
         self._check_micro_batch()
         self._tied = self._tied_groups()
-        spooled = set(program.groups) if self.spool else set(self._tied)
-        specs = plan_stores(config, program, self.plan, self.placement, self.compute_dtype, spooled)
-        acts = {s.position: acts_spec(config, s, self.placement, self.micro) for s in program.scans()}
+        specs, acts = store_specs(config, program, self.plan, self.placement, self.compute_dtype)
         read, write, resident = budget_needs(specs, list(acts.values()), mesh.devices.flat[0].platform)
         self.budget = plan_budget(config, read, write, resident)
         self.config = config = config.replace(prefetch_depth=self.budget.prefetch_depth,
@@ -162,14 +160,7 @@ class Engine:
                              f"axis; make batch_size / grad_accum a multiple of {data}")
 
     def _tied_groups(self) -> dict[str, int]:
-        """Streamed groups whose leaves other scans also stream: how many scans contribute to their gradients."""
-        out: dict[str, int] = {}
-        for scan in self.program.scans():
-            for k in scan.streams:
-                group = self.program.groups[self.program.leaves[k].group]
-                if group.position != scan.position:
-                    out[group.name] = out.get(group.name, 0) + 1
-        return out
+        return tied_groups(self.program)
 
     def _release_scratch(self) -> None:
         """With the state on nvme, memory is the budget: give the compiler's freed scratch back to the system."""
@@ -663,6 +654,26 @@ class _Step:
             self._apply(g.name, i, [trees[0][p] for p in paths], [trees[1][p] for p in paths], state, sweep, totals,
                         grad_div)
         telemetry.add_reads(reads)
+
+
+def tied_groups(program: Program) -> dict[str, int]:
+    """Streamed groups whose leaves other scans also stream: how many scans contribute to their gradients."""
+    out: dict[str, int] = {}
+    for scan in program.scans():
+        for k in scan.streams:
+            group = program.groups[program.leaves[k].group]
+            if group.position != scan.position:
+                out[group.name] = out.get(group.name, 0) + 1
+    return out
+
+
+def store_specs(config: Config, program: Program, plan: UpdatePlan, placement: Placement, compute_dtype):
+    """Every store of an engine before it opens them: the state's `StoreSpec` list and the activations' by scan."""
+    spool = plan.sweeps > 1 or config.precision == "fp16"
+    spooled = set(program.groups) if spool else set(tied_groups(program))
+    specs = plan_stores(config, program, plan, placement, compute_dtype, spooled)
+    acts = {s.position: acts_spec(config, s, placement, config.grad_accum) for s in program.scans()}
+    return specs, acts
 
 
 def track(kind: str, group: str) -> str:

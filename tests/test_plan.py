@@ -1,0 +1,116 @@
+"""`zinfjax plan` and ``tiers=auto``: byte counts against the engine's stores, fits, the one-line shortfall."""
+
+import json
+
+import numpy as np
+import pytest
+
+from zinfjax import models
+from zinfjax.cli import main
+from zinfjax.config import TIER_KEYS, Config
+from zinfjax.engine.engine import COMPUTE_DTYPES
+from zinfjax.engine.memory import zero_formula
+from zinfjax.plan import PlanError, make_plan, parameter_count, state_parts, traffic
+from zinfjax.sharding import make_mesh
+from zinfjax.train import lm_engine, run
+
+BASE = ["model=gpt2-tiny", "mesh=data:1", "batch_size=2", "seq_len=32"]
+
+
+def _config(*extra) -> Config:
+    return Config.load(None, [*BASE, *extra])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_parts_equal_zero_formulas_and_engine_stores(precision, tmp_path):
+    c = _config(f"precision={precision}", "params=host", "optimizer=host", "gradients=host", "activations=host")
+    mc = models.ModelConfig.resolve("gpt2-tiny")
+    parts = state_parts(c, mc)
+    psi = parameter_count(mc)
+    p = 4 if precision == "fp32" else 2
+    assert parts["params"] == p * psi
+    assert parts["master"] == (0 if precision == "fp32" else 4 * psi)
+    assert parts["optimizer"] == 8 * psi  # adamw: m and v in fp32
+    assert parts["gradients"] == 4 * psi
+    assert parts["params"] + parts["master"] + parts["optimizer"] + parts["gradients"] == zero_formula(
+        0, psi, 1, p, 4, 8 + (4 if precision != "fp32" else 0))
+    engine = lm_engine(models.build(mc, COMPUTE_DTYPES[precision]), c, make_mesh(c.mesh_axes()))
+    try:
+        held = {}
+        for kind, stores in engine.stores.stores.items():
+            held[kind] = sum(s.layer_nbytes * s.num_layers for s in stores.values())
+        acts = sum(s.layer_nbytes * s.num_layers for s in engine.stores.acts.values())
+        batch = np.random.default_rng(0).integers(0, 256, (2, 33)).astype(np.int32)
+        engine.train_step(batch)
+        before = {s: (s.stats.bytes_read, s.stats.bytes_written) for s in engine.stores.all()}
+        engine.train_step(batch)
+        moved_read = sum(s.stats.bytes_read - before[s][0] for s in engine.stores.all())
+    finally:
+        engine.close()
+    assert held["params"] == parts["params"] and held["opt"] == parts["optimizer"]
+    assert held.get("master", 0) == parts["master"] and held.get("grads", 0) == parts["gradients_stored"]
+    assert acts == parts["activations"]
+    per_layer = 2 * 32 * mc.d_model * p  # B * T * d_model * bytes
+    assert parts["activation_per_layer"] == per_layer and parts["activations"] >= mc.n_layers * per_layer
+    # the nominal traffic model (params read twice, the rest once) is what the engine moves
+    from zinfjax.plan import _specs
+
+    nominal = traffic(_specs(c, mc), dict.fromkeys(TIER_KEYS, "host"), None)
+    assert nominal["read_host"] == pytest.approx(moved_read, rel=0.1)
+
+
+def test_too_big_for_memory_limit_is_one_line_naming_the_shortfall(capsys):
+    c = _config("model=gpt2-small", "memory_limit=300MiB", "seq_len=64")
+    with pytest.raises(PlanError, match=r"gpt2-small fits no placement; .*host memory \(memory_limit\) is short by "
+                       r"[0-9.]+ [MG]iB \(needs .*, has 300.0 MiB\); set nvme_path"):
+        make_plan(c, probe=False)
+    assert main(["plan", "--no-probe", *[a for s in BASE for a in ("--set", s)], "--set", "model=gpt2-small",
+                 "--set", "memory_limit=300MiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("zinfjax: error: gpt2-small fits no placement") and "short by" in err[0]
+
+
+def test_bad_input_is_one_line(capsys):
+    assert main(["plan", "--no-probe", "--set", "model=gpt9"]) == 2
+    assert capsys.readouterr().err.strip().startswith("zinfjax: error: unknown model 'gpt9'")
+    assert main(["plan", "--no-probe", "--set", "batch_size=3", "--set", "mesh=data:2"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_recommendation_fits_and_the_nvme_tier_is_considered_with_a_path(tmp_path):
+    # a limit that holds the state on nvme (and small layers in memory), not every placement in memory
+    plan = make_plan(_config(f"nvme_path={tmp_path / 'nv'}", "memory_limit=1GiB"), probe=False)
+    rec = plan["recommended"]["tiers"]
+    row = next(r for r in plan["placements"] if r["tiers"] == rec)
+    assert row["fits"] and not row["short"] and row["step_s"] == plan["recommended"]["step_s"]
+    assert len(plan["placements"]) == 81
+    assert min(r["step_s"] for r in plan["placements"] if r["fits"]) == row["step_s"]
+    small = make_plan(_config(), probe=False)
+    assert len(small["placements"]) == 16 and any("CPU backend" in n for n in small["notes"])
+
+
+def test_plan_json_and_table(capsys, tmp_path):
+    args = ["plan", "--no-probe", *[a for s in BASE for a in ("--set", s)]]
+    assert main([*args, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["parts"]["params"] > 0 and plan["recommended"]["tiers"]["params"] in ("device", "host")
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "recommended: params=" in out and "activation checkpoints" in out and "host budget" in out
+
+
+def test_probed_plan_measures_disk_copy_and_compute(tmp_path):
+    plan = make_plan(_config(f"nvme_path={tmp_path / 'nv'}", "model=gpt2-tiny"), probe=True)
+    r = plan["rates"]
+    assert r["disk_read_GBps"] > 0 and r["host_copy_GBps"] > 0 and r["engine_s"] > 0
+    assert not any(n.startswith(".zinfjax-plan") for n in (tmp_path / "nv").iterdir())
+
+
+def test_tiers_auto_trains(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZINFJAX_PLAN_PROBE", "0")
+    log = run(_config("tiers=auto", "steps=2", "memory_limit=2GiB", f"log={tmp_path / 'log.json'}"),
+              progress=False)
+    assert len(log["steps"]) == 2 and np.isfinite(log["steps"][-1]["loss"])
+    assert log["config"]["tiers"] == "manual" and all(log["config"][k] in ("device", "host") for k in TIER_KEYS)
+    with pytest.raises(Exception, match="tiers='sometimes' is not allowed"):
+        _config("tiers=sometimes")
