@@ -248,14 +248,14 @@ def _batch(config: Config, vocab: int):
     return np.random.default_rng(0).integers(0, vocab, (config.batch_size, config.seq_len + 1)).astype(np.int32)
 
 
-def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAYERS) -> dict:
-    """Times the engine with every tier on device on a few layers; counts each store's reads and writes per byte."""
+def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAYERS, tier: str = "device") -> dict:
+    """Times the engine with every tier on ``tier`` on a few layers; counts each store's reads and writes per byte."""
     from zinfjax import models
     from zinfjax.engine.engine import COMPUTE_DTYPES
     from zinfjax.sharding import make_mesh
     from zinfjax.train import lm_engine
 
-    c = config.replace(**dict.fromkeys(TIER_KEYS, "device"), tiers="manual", save_dir=None, resume=False,
+    c = config.replace(**dict.fromkeys(TIER_KEYS, tier), tiers="manual", save_dir=None, resume=False,
                        memory_limit=None)
     m = calibration_model(model_config, layers)
     engine = lm_engine(models.build(m, COMPUTE_DTYPES[c.precision]), c, make_mesh(c.mesh_axes()))
@@ -276,7 +276,21 @@ def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAY
             traffic[f"{k}|{g}"] = ((s.stats.bytes_read - r0) / n, (s.stats.bytes_written - w0) / n)
     finally:
         engine.close()
-    return {"step_s": statistics.median(times), "layers": m.n_layers, "traffic": traffic}
+    moved = sum(s.stats.bytes_read - before[(k, g)][0] + s.stats.bytes_written - before[(k, g)][1]
+                for k, g, s in named) / CALIBRATION_STEPS
+    return {"step_s": statistics.median(times), "layers": m.n_layers, "traffic": traffic, "bytes_per_step": moved}
+
+
+def host_copy_rate(device: dict, host: dict, probed: float) -> float:
+    """GB/s the host tier adds per byte moved: the host-tier step over the device-tier step, per byte.
+
+    The engine's copies overlap its compute in part, so this effective rate is what predicts a
+    step; a rate from a bare copy (``probed``) stands in when the difference is lost in noise.
+    """
+    extra = host["step_s"] - device["step_s"]
+    if extra <= 0.02 * device["step_s"] or host["bytes_per_step"] <= 0:
+        return max(probed, host["bytes_per_step"] / max(0.02 * device["step_s"], 1e-9) / 1e9)
+    return host["bytes_per_step"] / extra / 1e9
 
 
 def calibrate_reference(config: Config, model_config, layers: int = CALIBRATION_LAYERS) -> float:
@@ -380,7 +394,7 @@ def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rate
     host = (moved["read_host"] + moved["write_host"]) / (rates["host_copy_GBps"] * 1e9)
     nvme = moved["read_nvme"] / (rates["disk_read_GBps"] * 1e9) + moved["write_nvme"] / (rates["disk_write_GBps"] * 1e9)
     if platform == "cpu":  # the tier's I/O threads share the cores with compute: half the shorter part is hidden
-        busy = compute + host
+        busy = compute + host  # host copies at the rate measured inside the engine, overlap included
         step = max(busy, nvme) + (1 - CPU_OVERLAP) * min(busy, nvme)
     else:
         step = max(compute, host, nvme)
@@ -388,6 +402,7 @@ def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rate
 
 
 OFFLOAD_ORDER = {"device": 0, "host": 1, "nvme": 2}
+TIE = 0.1  # predictions this close count as equal: the placement that offloads less wins
 
 
 def make_plan(config: Config, probe: bool = True) -> dict:
@@ -422,6 +437,8 @@ def make_plan(config: Config, probe: bool = True) -> dict:
         layers = calibration_layers(model_config, state, machine["host_bytes"])
         calibration = calibrate_engine(config, model_config, layers)
         factors = calibration["traffic"]
+        on_host = calibrate_engine(config, model_config, calibration["layers"], tier="host")
+        rates["host_copy_GBps"] = host_copy_rate(calibration, on_host, rates["host_copy_GBps"])
         rates["engine_s"] = scale_to_model(calibration["step_s"], config, model_config, calibration["layers"])
         rates["calibration_layers"] = calibration["layers"]
         if any(f["fits"] and uses_reference(config, t) for t, f in fits):
@@ -437,7 +454,7 @@ def make_plan(config: Config, probe: bool = True) -> dict:
         rows.append({"tiers": tiers, "fits": f["fits"], "need": f["need"], "short": f["short"], "bytes_per_step": moved,
                      **predict(config, tiers, moved, rates, machine["platform"])})
     rows.sort(key=lambda r: (not r["fits"], round(r["step_s"], 4), sum(OFFLOAD_ORDER[t] for t in r["tiers"].values())))
-    best = rows[0]
+    best = recommend(rows)
     if machine["platform"] == "cpu":
         notes.append("CPU backend: device memory is host memory, so the device and host tiers share the host budget")
     if not config.nvme_path:
@@ -446,6 +463,18 @@ def make_plan(config: Config, probe: bool = True) -> dict:
             "precision": config.precision, "stage": config.stage, "mesh": config.mesh, "parts": parts,
             "machine": machine, "rates": rates, "probed": probe, "notes": notes,
             "recommended": {"tiers": best["tiers"], "step_s": best["step_s"]}, "placements": rows}
+
+
+def recommend(rows: list[dict], within: float = TIE) -> dict:
+    """The fastest placement that fits; among those within ``within`` of it, the one that offloads least.
+
+    A prediction is not exact to a few percent, and offloading what need not be costs memory
+    traffic for nothing.
+    """
+    fitting = [r for r in rows if r["fits"]]
+    fastest = min(r["step_s"] for r in fitting)
+    close = [r for r in fitting if r["step_s"] <= (1 + within) * fastest]
+    return min(close, key=lambda r: (sum(OFFLOAD_ORDER[t] for t in r["tiers"].values()), r["step_s"]))
 
 
 def _data_size(config: Config) -> int:
