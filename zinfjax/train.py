@@ -202,7 +202,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
             seconds = time.perf_counter() - start
             record = {"step": step, **metrics, "tokens_per_s": config.batch_size * config.seq_len / seconds,
                       "lr": float(schedule(step - 1)) if callable(schedule) else schedule,
-                      "peak_rss_bytes": rss.peak_bytes()}
+                      "peak_rss_bytes": rss.peak_bytes(), **device_memory()}
             log["steps"].append(record)
             bar.set_postfix_str(progress_text(record), refresh=False)
             finite = watch.after_step(step, metrics["loss"])
@@ -330,6 +330,19 @@ def _attach_tracer(trainer, path: str | None):
     tracer = Tracer()
     tracer.attach(trainer.engine)
     return tracer
+
+
+def device_memory() -> dict:
+    """The first local device's peak and current memory in use, where the platform reports them (GPU, TPU).
+
+    Example:
+        >>> device_memory()   # on the CPU backend: nothing to report
+        {}
+    """
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" not in stats:
+        return {}
+    return {"device_peak_bytes": stats["peak_bytes_in_use"], "device_bytes_in_use": stats.get("bytes_in_use", 0)}
 
 
 def progress_text(record: dict) -> str:
