@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="llama-1b")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step (with --grad-accum micro-batches)")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step: compute to hide the update behind")
+    p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step: compute that hides the update")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, when its kind is not known")
     p.add_argument("--dir", default="runs/gpu", help="a directory on the NVMe disk")
