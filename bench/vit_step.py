@@ -36,6 +36,7 @@ RUNS = ("memory", "device", "nvme")
 def example():
     spec = importlib.util.spec_from_file_location("vit_linen", os.path.join(ROOT, "examples", "vit_linen.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules["vit_linen"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
