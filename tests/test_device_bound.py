@@ -47,8 +47,8 @@ def peak_live_slices(tmp_path, tier: str, depth: int, layers: int) -> int:
     return peak
 
 
-@pytest.mark.parametrize("depth", [1, 3])
-@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("tier,depth", [("host", 1), ("nvme", 3), pytest.param("host", 3, marks=pytest.mark.wide),
+                                        pytest.param("nvme", 1, marks=pytest.mark.wide)])
 def test_live_layers_on_the_device_follow_the_read_ahead_not_the_layers(tmp_path, tier, depth):
     short, long = peak_live_slices(tmp_path, tier, depth, 12), peak_live_slices(tmp_path, tier, depth, 24)
     assert 0 < long <= PER_LAYER * (depth + 2) < 24, (short, long)

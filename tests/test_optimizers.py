@@ -173,7 +173,7 @@ def test_a_refusal_names_the_operation_the_parameter_and_an_alternative(probe):
 
 
 @pytest.mark.parametrize("optimizer_name,weight_decay", [
-    ("adamw", 0.01), ("sgd", 0.0), ("lion", 0.01),
+    ("adamw", 0.01), ("sgd", 0.0), pytest.param("lion", 0.01, marks=pytest.mark.wide),
     pytest.param("adam", 0.0, marks=pytest.mark.wide), pytest.param("adagrad", 0.0, marks=pytest.mark.wide),
     pytest.param("rmsprop", 0.0, marks=pytest.mark.wide), pytest.param("adamw", 0.1, marks=pytest.mark.wide),
 ])

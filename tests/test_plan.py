@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from zinfjax import models
+from zinfjax import models, rss
 from zinfjax.cli import main
 from zinfjax.config import TIER_KEYS, Config
 from zinfjax.engine.engine import COMPUTE_DTYPES
@@ -79,7 +79,8 @@ def test_bad_input_is_one_line(capsys):
 
 def test_recommendation_fits_and_the_nvme_tier_is_considered_with_a_path(tmp_path):
     # a limit that holds the state on nvme (and small layers in memory), not every placement in memory
-    plan = make_plan(_config(f"nvme_path={tmp_path / 'nv'}", "memory_limit=1GiB"), probe=False)
+    plan = make_plan(_config(f"nvme_path={tmp_path / 'nv'}", f"memory_limit={above_this_process(1 << 30)}"),
+                     probe=False)
     rec = plan["recommended"]["tiers"]
     row = next(r for r in plan["placements"] if r["tiers"] == rec)
     assert row["fits"] and not row["short"] and row["step_s"] == plan["recommended"]["step_s"]
@@ -108,9 +109,15 @@ def test_probed_plan_measures_disk_copy_and_compute(tmp_path):
 
 def test_tiers_auto_trains(tmp_path, monkeypatch):
     monkeypatch.setenv("ZINFJAX_PLAN_PROBE", "0")
-    log = run(_config("tiers=auto", "steps=2", "memory_limit=2GiB", f"log={tmp_path / 'log.json'}"),
+    log = run(_config("tiers=auto", "steps=2", f"memory_limit={above_this_process(2 << 30)}",
+                      f"log={tmp_path / 'log.json'}"),
               progress=False)
     assert len(log["steps"]) == 2 and np.isfinite(log["steps"][-1]["loss"])
     assert log["config"]["tiers"] == "manual" and all(log["config"][k] in ("device", "host") for k in TIER_KEYS)
     with pytest.raises(Exception, match="tiers='sometimes' is not allowed"):
         _config("tiers=sometimes")
+
+
+def above_this_process(nbytes: int) -> int:
+    """A budget ``nbytes`` above what this (test worker) process holds already: the plan counts that too."""
+    return rss.current_bytes() + nbytes
