@@ -52,7 +52,7 @@ import numpy as np
 
 from zinfjax import rss
 from zinfjax.config import Config
-from zinfjax.engine.budget import COMPILE_RESERVE, LIVE_PER_DEPTH, default_limit
+from zinfjax.engine.budget import COMPILE_RESERVE, LIVE_BASE, default_limit, minimum_bytes
 from zinfjax.errors import UserError
 from zinfjax.units import format_bytes
 from zinfjax.vocabulary import TIER_KEYS, TIERS
@@ -365,12 +365,11 @@ def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dic
         host_need = machine["baseline_bytes"] + resident + transient + COMPILE_RESERVE
     else:  # the engine's budget (zinfjax.engine.budget.plan_budget), and one layer's transient
         resident = held["host"] + (held["device"] if cpu else 0)
-        host_need = (machine["baseline_bytes"] + resident + COMPILE_RESERVE + write_slice + LIVE_PER_DEPTH * read
-                     + transient)
+        host_need = minimum_bytes(machine["baseline_bytes"], resident, read, write_slice) + transient
     need = {"host": host_need, "nvme": held["nvme"]}
     have = {"host": machine["host_bytes"], "nvme": machine["nvme_free_bytes"] or 0}
     if not cpu:
-        need["device"] = device_held + transient + LIVE_PER_DEPTH * read
+        need["device"] = device_held + transient + LIVE_BASE * read
         have["device"] = machine["device_bytes"] or 0
     short = {k: need[k] - have[k] for k in need if need[k] > have[k]}
     return {"need": need, "have": have, "short": short, "fits": not short}

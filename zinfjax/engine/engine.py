@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from zinfjax import allocator
 from zinfjax.config import Config
 from zinfjax.engine import progress
-from zinfjax.engine.budget import plan_budget
+from zinfjax.engine.budget import LEAN_MMAP_THRESHOLD, LIVE_BASE, plan_budget
 from zinfjax.engine.placement import Placement
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.engine.stores import acts_spec, budget_needs, build_stores, dir_name, plan_stores
@@ -126,6 +126,10 @@ class Engine:
         specs, acts = store_specs(config, program, self.plan, self.placement, self.compute_dtype)
         read, write, resident = budget_needs(specs, list(acts.values()), mesh.devices.flat[0].platform)
         self.budget = plan_budget(config, read, write, resident)
+        # While the state is written at the start, no step holds its operations' memory: writes may use it.
+        self._write_bound = self.budget.write_bytes_in_flight + LIVE_BASE * read
+        if self.budget.lean:  # freed layer buffers leave the heap at once (docs/design.md, invariant 2)
+            allocator.tune_allocator(mmap_threshold=LEAN_MMAP_THRESHOLD)
         self.config = config = config.replace(prefetch_depth=self.budget.prefetch_depth,
                                               host_buffer_bytes=self.budget.host_buffer_bytes)
         self.step_count = int(getattr(source, "step", 0))
@@ -188,6 +192,7 @@ class Engine:
                 if state_paths:
                     self._write("fill", s.opt[g.name], i, dict(zip(state_paths, state, strict=True)))
             s.flush()
+        self._write_bound = self.budget.write_bytes_in_flight
         if self.loss_scale.enabled and getattr(source, "loss_scale", None) is not None:
             self.loss_scale.scale = float(source.loss_scale)
             self.loss_scale.good = int(getattr(source, "loss_scale_good", 0))
@@ -197,6 +202,8 @@ class Engine:
     def train_step(self, batch, rng=None) -> dict:
         """One optimizer step on ``batch`` (a pytree of arrays with a leading batch axis); returns its metrics."""
         progress.begin(self.config, self.step_count + 1)
+        if self.budget.lean:  # the last step's freed buffers leave the heap before this one's peak
+            allocator.trim()
         telemetry = self._telemetry = StepTelemetry(self.stores.all(), self.tracer)
         step = _Step(self, self._micro_batches(batch), self._keys(rng))
         reads = ReadAhead([op.reads for op in step.ops], self.config.prefetch_depth)
@@ -274,7 +281,7 @@ class Engine:
         # The bound is in bytes, from the memory budget, so it holds whatever the size of a layer.
         self._writes.append((future, store.layer_nbytes))
         self._writing += store.layer_nbytes
-        while self._writes and (self._writes[0][0].done() or self._writing > self.budget.write_bytes_in_flight):
+        while self._writes and (self._writes[0][0].done() or self._writing > self._write_bound):
             done, nbytes = self._writes.popleft()
             self._writing -= nbytes
             done.exception()  # errors surface at the next flush
