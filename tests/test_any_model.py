@@ -88,6 +88,9 @@ def relative_l2(a, b, skip: set[str]) -> float:
 
 
 def assert_exact(losses, ref_losses, params, ref_params, skip):
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+    print(f"max loss relative difference {loss_diff:.2e}, parameters relative L2 "
+          f"{relative_l2(jax.tree.map(np.asarray, ref_params), params, skip):.2e}, left out {sorted(skip)}")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert losses[-1] < losses[0]
     error = relative_l2(jax.tree.map(np.asarray, ref_params), params, skip)
