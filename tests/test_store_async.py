@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from zinfjax.engine.readahead import Read, ReadAhead, ReadAheadError
 from zinfjax.errors import UserError
-from zinfjax.store import BufferBudgetError, BufferPool, Prefetcher, open_store, staging_bytes
+from zinfjax.store import BufferBudgetError, BufferPool, open_store, staging_bytes
 
 L = 8
 ROWS = 64  # one layer = 64 x 64 float32 = 16 KiB
@@ -77,27 +78,24 @@ def test_pool_reuses_buffers_and_stays_under_capacity():
     big.release()
 
 
-def test_prefetcher_follows_the_schedule_and_bounds_the_pool(tmp_path):
+def test_read_ahead_follows_the_schedule_and_the_pool_bounds_it(tmp_path):
     pool = _CountingPool(2 * LAYER_BYTES + 256)  # room for two layers, well below depth 4
     schedule = list(range(L)) + list(reversed(range(L)))
     with open_store("nvme", _like(), path=str(tmp_path), pool=pool) as store:
         for i in range(L):
             store.write(i, _layer(i))
         store.flush()
-        prefetcher = Prefetcher(store, schedule, depth=4)
-        seen = []
-        for i, layer in prefetcher:
+        prefetcher = ReadAhead([[Read("w", store, i)] for i in schedule], depth=4)
+        for i, (layer,) in zip(schedule, prefetcher, strict=True):
             time.sleep(0.002)  # a consumer slower than the reads lets them pile up to the depth
             np.testing.assert_array_equal(layer["w"], np.full((ROWS, 64), i, np.float32))
-            seen.append(i)
-        assert seen == schedule
         assert prefetcher.max_ahead == 4
         assert store.stats.peak_reads_in_flight <= 4 + 1
     assert pool.peak_bytes <= pool.capacity_bytes
     assert pool.max_resident <= pool.capacity_bytes
     assert pool.in_use_bytes == 0
-    assert [r.layer for r in prefetcher.records] == schedule
-    assert all(r.complete_t is not None and r.complete_t >= r.issue_t for r in prefetcher.records)
+    assert [r.layer for r in prefetcher.events] == schedule
+    assert all(r.complete_t is not None and r.complete_t >= r.issue_t for r in prefetcher.events)
     assert prefetcher.stall_s >= 0
 
 
@@ -105,10 +103,10 @@ def test_prefetcher_follows_the_schedule_and_bounds_the_pool(tmp_path):
 def test_prefetch_depth_is_respected(tmp_path, depth):
     with open_store("host", _like(), path=str(tmp_path)) as store:
         store.write_all(jax.tree.map(lambda *x: np.stack(x), *[_layer(i) for i in range(L)]))
-        prefetcher = Prefetcher(store, range(L), depth=depth)
+        prefetcher = ReadAhead([[Read("w", store, i)] for i in range(L)], depth=depth)
         issued_before_use = []
-        for i, _ in prefetcher:
-            issued_before_use.append(len(prefetcher.records) - 1 - i)
+        for i, _ in enumerate(prefetcher):
+            issued_before_use.append(len(prefetcher.events) - 1 - i)
     assert max(issued_before_use) == depth
     assert prefetcher.max_ahead == depth
 
@@ -167,3 +165,8 @@ def test_caller_may_drop_and_reuse_its_array_after_write(tmp_path):
         store.write(1, layer).result()
         layer["w"][:] = -7  # the store kept its own copy
         np.testing.assert_array_equal(store.read(1).result()["w"], np.full((ROWS, 64), 1, np.float32))
+
+
+def test_a_negative_read_ahead_depth_is_a_user_error():
+    with pytest.raises(ReadAheadError, match=r"^prefetch depth=-1 must be 0 or more"):
+        ReadAhead([], depth=-1)

@@ -21,8 +21,9 @@ import time
 import jax
 import numpy as np
 
+from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.errors import ConfigError
-from zinfjax.store import BufferPool, Prefetcher, open_store, staging_bytes
+from zinfjax.store import BufferPool, open_store, staging_bytes
 from zinfjax.store.probe import raw_direct_io  # noqa: F401 - the benchmarks' name for it
 from zinfjax.units import parse_bytes
 
@@ -82,7 +83,7 @@ def store_io(
         write_s = time.perf_counter() - t0
         cold = cold and drop_page_cache()
         t0 = time.perf_counter()
-        for _, tree in Prefetcher(store, range(layers), depth):
+        for (tree,) in ReadAhead([[Read("w", store, i)] for i in range(layers)], depth):
             tree["w"].block_until_ready()
         read_s = time.perf_counter() - t0
     finally:

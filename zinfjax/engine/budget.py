@@ -5,12 +5,13 @@ machine has available, less a margin) is what the whole process may hold. The en
 what it holds already when it starts (the JAX runtime, the traced program), reserves room for
 XLA's compiler, and splits the rest:
 
-- the minimum (`minimum_bytes`): the operation computing (4 times its reads: the reads, its
-  outputs, the gradient and the heap's fragments), one slice staged and one slice in flight;
+- the minimum (`minimum_bytes`): the operation computing and one read ahead (4 times an
+  operation's reads: the reads, the outputs, the gradient, the next reads and the heap's
+  fragments), one slice staged and one slice in flight;
 - when the budget holds a second slice staged and in flight and one operation read ahead beyond
   that, ``host_buffer_bytes`` and the writes in flight are two slices, and ``prefetch_depth`` is
-  what the rest holds (1 to 4) at twice the largest operation's reads per step of read-ahead;
-- otherwise the budget is *lean*: one slice each, no read-ahead (``prefetch_depth`` 0), and the
+  what the rest holds (2 to 4) at twice the largest operation's reads per step of read-ahead;
+- otherwise the budget is *lean*: one slice each, one operation read ahead, and the
   engine lowers glibc's mmap threshold so freed layer buffers leave the heap at once.
 
 A key set explicitly is kept. A budget too small for even one slice in flight is refused before
@@ -40,9 +41,9 @@ COMPILE_RESERVE = 192 << 20
 MARGIN_FRACTION = 0.08
 MARGIN_MIN = 64 << 20
 MAX_DEPTH = 4
-# What the operation computing holds, in units of its reads: the reads themselves, its outputs (an
-# update's new params and optimizer state), the gradient, and the heap's fragments; measured with
-# gpt2-small on NVMe (docs/engine.md, "Memory"): 310 MiB at 84 MiB of reads.
+# What the operation computing and one read ahead of it hold, in units of an operation's reads: the
+# reads, the outputs (an update's new params and optimizer state), the gradient, the next reads and
+# the heap's fragments; measured with gpt2-small on NVMe (docs/engine.md, "Memory"): 310 MiB at 84 MiB.
 LIVE_BASE = 4
 # What each further operation of read-ahead adds: its reads, and the inputs and outputs of one more
 # computation queued behind the loop (engine.py, `_run`); measured as above, 2.1x its reads.
@@ -150,8 +151,8 @@ def plan_budget(config, read_bytes: int, write_bytes: int, resident: int = 0,
     buffers = config.host_buffer_bytes or max(slices * write_bytes, MIN_BUFFERS)
     in_flight = max(slices * write_bytes, MIN_BUFFERS)
     depth = config.prefetch_depth
-    if depth is None:
-        depth = 0 if lean else int(min(MAX_DEPTH, 1 + (spare - 2 * write_bytes - ahead) // ahead))
+    if depth is None:  # the minimum holds one operation read ahead (LIVE_BASE was measured so)
+        depth = 1 if lean else int(min(MAX_DEPTH, 2 + (spare - 2 * write_bytes - ahead) // ahead))
     return BudgetPlan(limit, source, baseline, depth, int(buffers), int(in_flight), lean)
 
 

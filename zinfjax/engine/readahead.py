@@ -1,5 +1,8 @@
 """Reads that run ahead of compute: a schedule of read groups, ``depth`` groups in flight.
 
+zinfjax's one read-ahead mechanism: the engine's steps, generation, evaluation and the store
+benchmark all read through it.
+
 The order of every read in a step is known before the step starts. A group holds the
 reads one layer's compute needs (its parameters, its activation checkpoint, its optimizer
 state). `ReadAhead` keeps the next ``depth`` groups in flight while the consumer works on
@@ -13,6 +16,12 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+
+from zinfjax.errors import UserError
+
+
+class ReadAheadError(UserError):
+    """A read-ahead depth that is not a count."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,17 +47,23 @@ class ReadEvent:
 class ReadAhead:
     """Yields each group's results (a list, in the group's order), keeping ``depth`` groups ahead.
 
+    ``depth=0`` reads each group on demand. ``max_ahead`` is the most groups that were in flight
+    beyond the one being consumed; ``events`` has one `ReadEvent` per read, in issue order.
+
     Example:
-        >>> groups = [[Read("params", store, i)] for i in range(L)]
-        >>> for (layer,) in ReadAhead(groups, depth=2):
+        >>> groups = [[Read("params", store, i)] for i in range(L)]   # doctest: +SKIP
+        >>> for (layer,) in ReadAhead(groups, depth=2):               # doctest: +SKIP
         ...     h = block(layer, h)
     """
 
     def __init__(self, groups: Sequence[Sequence[Read]], depth: int):
+        if depth < 0:
+            raise ReadAheadError(f"prefetch depth={depth} must be 0 or more; set prefetch_depth=0 or above")
         self.groups = [list(g) for g in groups]
         self.depth = depth
         self.events: list[ReadEvent] = []
         self.stall_s = 0.0
+        self.max_ahead = 0
         self._pending: collections.deque = collections.deque()
         self._issued = 0
         self._consumed = 0
@@ -63,11 +78,12 @@ class ReadAhead:
         if not self._pending:  # the group was not ready ahead of time: issue it now
             self._issue(self.groups[self._issued])
         futures = self._pending.popleft()
+        self.max_ahead = max(self.max_ahead, len(self._pending))
         self._consumed += 1
         start = time.perf_counter()
         results = [f.result() for f in futures]
         self.stall_s += time.perf_counter() - start
-        self._fill(self._consumed + self.depth)
+        self._fill(self._consumed - 1 + self.depth)  # while group consumed-1 is worked on: the next `depth`
         return results
 
     def _fill(self, upto: int) -> None:

@@ -1,10 +1,12 @@
 """Tiered storage of stacked layers: device memory, pinned host memory, or NVMe.
 
 Example:
-    >>> from zinfjax.store import open_store, BufferPool, Prefetcher
+    >>> from zinfjax.store import open_store, BufferPool
     >>> store = open_store("nvme", like, path="/mnt/nvme/run1", pool=BufferPool(1 << 30))  # doctest: +SKIP
-    >>> for i, layer in Prefetcher(store, range(store.num_layers), depth=2):               # doctest: +SKIP
-    ...     ...
+    >>> layer = store.read(3).result()                                                      # doctest: +SKIP
+
+Reading ahead of compute is the engine's (`zinfjax.engine.readahead.ReadAhead`): a store's reads
+are futures, and the engine keeps the next ones in flight.
 """
 
 from zinfjax.store.base import LayerStore, StoreStats
@@ -22,7 +24,6 @@ from zinfjax.store.errors import (
 from zinfjax.store.factory import TIERS, open_store, staging_bytes
 from zinfjax.store.layout import layer_sharding, stacked_sharding
 from zinfjax.store.pool import BufferPool, HostBuffer
-from zinfjax.store.prefetch import Prefetcher, ReadRecord
 
 __all__ = [
     "TIERS",
@@ -32,8 +33,6 @@ __all__ = [
     "LayerNotWrittenError",
     "LayerStore",
     "ManifestMismatchError",
-    "Prefetcher",
-    "ReadRecord",
     "StoreCorruptionError",
     "StoreError",
     "StoreLockedError",
