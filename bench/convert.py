@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from zinfjax.benchmarks.cgroup import MemoryCgroup
-from zinfjax.units import parse_bytes
+from zinfjax.byte_sizes import parse_bytes
 
 GB = 1e9
 VOCAB, CONTEXT, HEAD_DIM = 50257, 1024, 64

@@ -42,6 +42,7 @@ from interop.hf import CONFIG, HFCheckpoint, Tensor, hf_specs, write_hf, zinfjax
 from interop.hf_config import from_hf_config
 from interop.mapping import load_mapping
 from interop.tables import BY_ARCH
+from zinfjax.byte_sizes import format_bytes, parse_bytes
 from zinfjax.checkpoint import CheckpointWriter, expected_leaves, read_meta
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.reader import LeafReader
@@ -53,7 +54,6 @@ from zinfjax.models import ModelConfig
 from zinfjax.models.configs import NAMED
 from zinfjax.optim import make_optimizer
 from zinfjax.store.disk import free_bytes, is_disk_full
-from zinfjax.units import format_bytes, parse_bytes
 
 FORMATS = ("hf", "deepspeed", "zinfjax", "torch")
 TARGETS = ("zinfjax", "hf")

@@ -14,9 +14,9 @@ from zinfjax import Config, models
 from zinfjax.data import Batches, load_tokens
 from zinfjax.engine import Engine, TreeSource
 from zinfjax.engine.memory import zero_formula
+from zinfjax.in_memory import init_state, make_step
 from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.optim import make_optimizer
-from zinfjax.reference import init_state, make_step
 from zinfjax.sharding import make_mesh, replicated
 from zinfjax.train import lm_engine
 

@@ -29,7 +29,7 @@ import zinfjax
 from examples import bert_mlm_linen, llama_nnx, vit_linen
 from zinfjax.config import parse_mesh
 from zinfjax.data import Batches, load_tokens
-from zinfjax.reference import micro_batches
+from zinfjax.in_memory import micro_batches
 from zinfjax.sharding import batch_sharding, make_mesh, replicated
 
 STEPS = 20

@@ -19,6 +19,7 @@ import tensorstore as ts
 
 from tests.engine_helpers import _tx, batches, config, initial_params, make_engine
 from tests.mounts import tmpfs
+from zinfjax.byte_sizes import format_bytes
 from zinfjax.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
@@ -33,7 +34,6 @@ from zinfjax.checkpoint import (
 )
 from zinfjax.checkpoint.snapshot import leaf_name
 from zinfjax.program.split import path_str
-from zinfjax.units import format_bytes
 
 NVME = dict(params="nvme", optimizer="nvme", gradients="nvme", activations="nvme")
 

@@ -27,7 +27,7 @@ def peak_live_slices(tmp_path, tier: str, depth: int, layers: int) -> int:
     engine = lm_engine(model, c, make_mesh(c.mesh_axes()))
     shape, dtype = (96, 288), jax.numpy.bfloat16  # one layer of blocks/fc/kernel in the compute dtype
     peak = 0
-    dispatch = engine._run
+    dispatch = engine._dispatch
 
     def counted(*args):
         nonlocal peak
@@ -37,7 +37,7 @@ def peak_live_slices(tmp_path, tier: str, depth: int, layers: int) -> int:
         peak = max(peak, live)
         return out
 
-    engine._run = counted
+    engine._dispatch = counted
     try:
         data = batches(c)
         for _ in range(2):

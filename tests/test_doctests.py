@@ -11,7 +11,8 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MODULES = ["zinfjax.units", "zinfjax.vocabulary", "zinfjax.mappings", "zinfjax.program.jaxpr", "zinfjax.models.configs"]
+MODULES = ["zinfjax.byte_sizes", "zinfjax.vocabulary", "zinfjax.mappings", "zinfjax.program.jaxpr",
+           "zinfjax.models.configs", "zinfjax.engine.budget"]
 
 
 @pytest.mark.parametrize("name", MODULES)

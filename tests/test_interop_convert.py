@@ -31,9 +31,9 @@ from tests.mounts import tmpfs  # noqa: E402
 from zinfjax import models  # noqa: E402
 from zinfjax.checkpoint import read_meta  # noqa: E402
 from zinfjax.cli import main  # noqa: E402
+from zinfjax.in_memory import make_step  # noqa: E402
 from zinfjax.models.stacked import lm_loss  # noqa: E402
 from zinfjax.optim import make_optimizer  # noqa: E402
-from zinfjax.reference import make_step  # noqa: E402
 from zinfjax.sharding import make_mesh, replicated  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()

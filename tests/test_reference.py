@@ -4,9 +4,9 @@ import pytest
 
 from zinfjax import Config, models
 from zinfjax.data import Batches, load_tokens
+from zinfjax.in_memory import init_state, make_step
 from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.optim import make_optimizer
-from zinfjax.reference import init_state, make_step
 from zinfjax.sharding import make_mesh
 from zinfjax.train import run
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import yaml
 
+from zinfjax.byte_sizes import parse_bytes
 from zinfjax.errors import ConfigError, printable
 from zinfjax.mappings import DuplicateKeyError, UniqueKeyLoader, parse_problem, read_mapping
-from zinfjax.units import parse_bytes
 from zinfjax.vocabulary import PRECISIONS, TIER_KEYS, TIERS
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adagrad", "rmsprop", "lamb", "adafactor")

@@ -51,10 +51,10 @@ import jax
 import numpy as np
 
 from zinfjax import rss
+from zinfjax.byte_sizes import format_bytes
 from zinfjax.config import Config
 from zinfjax.engine.budget import COMPILE_RESERVE, LIVE_BASE, default_limit, minimum_bytes
 from zinfjax.errors import UserError
-from zinfjax.units import format_bytes
 from zinfjax.vocabulary import TIER_KEYS, TIERS
 
 MiB = 1 << 20

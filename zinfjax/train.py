@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from zinfjax import models, rss
+from zinfjax.byte_sizes import format_bytes
 from zinfjax.checkpoint import CheckpointManager, CheckpointSaveError, CheckpointSource
 from zinfjax.checkpoint.resume import plan_start, resume_directory
 from zinfjax.config import Config
@@ -31,6 +32,7 @@ from zinfjax.distributed import initialize_from_env, is_main_process, process_nv
 from zinfjax.engine.engine import Engine, update_plan
 from zinfjax.engine.trace import Tracer
 from zinfjax.errors import ConfigError, UserError
+from zinfjax.in_memory import init_state, make_step
 from zinfjax.inference.params import resolve_model
 from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.nonfinite import LossWatch
@@ -38,9 +40,7 @@ from zinfjax.optim import make_optimizer, make_schedule
 from zinfjax.plots import loss_curve
 from zinfjax.preflight import check_writable_file
 from zinfjax.program import InitSource, program_for
-from zinfjax.reference import init_state, make_step
 from zinfjax.sharding import batch_sharding, check_batch, make_mesh
-from zinfjax.units import format_bytes
 from zinfjax.vocabulary import COMPUTE_DTYPES, TIER_KEYS
 
 

@@ -21,11 +21,11 @@ import time
 import jax
 import numpy as np
 
+from zinfjax.byte_sizes import parse_bytes
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.errors import ConfigError
 from zinfjax.store import BufferPool, open_store, staging_bytes
 from zinfjax.store.probe import raw_direct_io  # noqa: F401 - the benchmarks' name for it
-from zinfjax.units import parse_bytes
 
 MiB = 1 << 20
 

@@ -3,7 +3,7 @@
 One model (about 100M parameters), one batch, and each configuration in its own process, so
 that each peak RSS is its own:
 
-- ``reference``: the plain jitted optax step (zinfjax.reference), everything in memory;
+- ``reference``: the plain jitted optax step (zinfjax.in_memory), everything in memory;
 - ``device`` / ``host``: the engine with every tier on device / host memory;
 - ``nvme``: the engine with params, optimizer state, gradients and activations on the nvme
   tier. Its chunk I/O is O_DIRECT, so reads come from the disk and not from the page cache
@@ -72,10 +72,10 @@ def one_batch(c):
 def time_reference(args, c, batch) -> tuple[list[float], list[float], list[dict]]:
     import jax
 
+    from zinfjax.in_memory import init_state, make_step
     from zinfjax.models import build
     from zinfjax.models.stacked import lm_init, lm_loss
     from zinfjax.optim import make_optimizer
-    from zinfjax.reference import init_state, make_step
     from zinfjax.sharding import make_mesh
 
     model, tx, mesh = build(bench_model(args)), make_optimizer(c), make_mesh(c.mesh_axes())

@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import tensorstore as ts
 
+from zinfjax.byte_sizes import format_bytes
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import (
     CheckpointCorruptError,
@@ -19,7 +20,6 @@ from zinfjax.checkpoint.errors import (
 )
 from zinfjax.checkpoint.manager import latest_checkpoint
 from zinfjax.checkpoint.verify import verify_checkpoint, verify_save_dir
-from zinfjax.units import format_bytes
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 

@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import jax
 import numpy as np
 
+from zinfjax.byte_sizes import format_bytes
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import CheckpointNotFoundError, CheckpointSaveError
 from zinfjax.checkpoint.identity import new_run_id
@@ -32,7 +33,6 @@ from zinfjax.checkpoint.verify import DELETING, leftovers
 from zinfjax.distributed import barrier
 from zinfjax.store.disk import free_bytes, is_disk_full
 from zinfjax.store.manifest import fsync_dir
-from zinfjax.units import format_bytes
 
 
 class CheckpointManager:
@@ -97,7 +97,7 @@ class CheckpointManager:
             snapshot.discard()
             shutil.rmtree(tmp, ignore_errors=True)
             raise self._save_error(step, e) from e
-        self._pending = self._executor.submit(self._finish, snapshot, parts, meta, tmp, step)
+        self._pending = self._executor.submit(self._commit_in_background, snapshot, parts, meta, tmp, step)
         return step
 
     def wait(self, raise_error: bool = True) -> CheckpointSaveError | None:
@@ -113,7 +113,7 @@ class CheckpointManager:
             return e
         return None
 
-    def _finish(self, snapshot: Snapshot, parts: list[Part], meta: dict, tmp: str, step: int) -> None:
+    def _commit_in_background(self, snapshot: Snapshot, parts: list[Part], meta: dict, tmp: str, step: int) -> None:
         try:
             snapshot.write()
             barrier(f"zinfjax-ckpt-{step}-written")

@@ -18,9 +18,10 @@ A key set explicitly is kept. A budget too small for even one slice in flight is
 anything is written, naming the smallest budget that would work (docs/engine.md, "Memory").
 
 Example:
-    >>> plan = plan_budget(config, read_bytes=90 << 20, write_bytes=85 << 20)
-    >>> plan.prefetch_depth, plan.host_buffer_bytes
-    (2, 178257920)
+    >>> from zinfjax import Config
+    >>> plan = plan_budget(Config(memory_limit="2GiB"), read_bytes=90 << 20, write_bytes=85 << 20, baseline=300 << 20)
+    >>> plan.lean, plan.prefetch_depth, plan.host_buffer_bytes >> 20
+    (False, 4, 170)
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import dataclasses
 import os
 
 from zinfjax import rss
+from zinfjax.byte_sizes import format_bytes
 from zinfjax.errors import UserError
-from zinfjax.units import format_bytes
 
 UNLIMITED = 1 << 60
 # What XLA's compiler and a step's temporaries take above the steady state, measured on the CPU

@@ -34,11 +34,11 @@ from jax.sharding import PartitionSpec as P
 
 from zinfjax import allocator
 from zinfjax.config import Config
-from zinfjax.engine import progress
+from zinfjax.engine import crash_marker
 from zinfjax.engine.budget import LEAN_MMAP_THRESHOLD, LIVE_BASE, plan_budget
 from zinfjax.engine.placement import Placement
 from zinfjax.engine.readahead import Read, ReadAhead
-from zinfjax.engine.stores import acts_spec, budget_needs, build_stores, dir_name, plan_stores
+from zinfjax.engine.store_plan import acts_spec, budget_needs, build_stores, dir_name, plan_stores
 from zinfjax.engine.telemetry import StepTelemetry
 from zinfjax.engine.units import Units
 from zinfjax.errors import UserError
@@ -116,10 +116,10 @@ class Engine:
         self.program, self.config, self.mesh, self.tx = program, config, mesh, tx
         self.compute_dtype = COMPUTE_DTYPES[config.precision]
         self.rules = ShardingRules.for_mesh(mesh, config.stage, tp_rules, threshold)
-        self.placement, self.fns, self.plan, self.units = compiled(program, tx, self.rules, mesh, self.compute_dtype,
-                                                                  config.grad_accum)
+        self.placement, self.stage_fns, self.plan, self.units = compiled(program, tx, self.rules, mesh,
+                                                                        self.compute_dtype, config.grad_accum)
         self.loss_scale = LossScale(config.precision == "fp16")
-        self.spool = self.plan.sweeps > 1 or config.precision == "fp16"
+        self.spools_gradients = self.plan.sweeps > 1 or config.precision == "fp16"
         self.micro = config.grad_accum
         self._check_micro_batch()
         self._tied = self._tied_groups()
@@ -140,7 +140,7 @@ class Engine:
         self._telemetry: StepTelemetry | None = None
         self._steps_run = 0
         self.stores = build_stores(config, specs, acts)
-        self.interrupted_step = progress.interrupted(config)
+        self.interrupted_step = crash_marker.interrupted(config)
         try:
             self._fill(source)
         except BaseException:
@@ -201,7 +201,7 @@ class Engine:
 
     def train_step(self, batch, rng=None) -> dict:
         """One optimizer step on ``batch`` (a pytree of arrays with a leading batch axis); returns its metrics."""
-        progress.begin(self.config, self.step_count + 1)
+        crash_marker.begin(self.config, self.step_count + 1)
         if self.budget.lean:  # the last step's freed buffers leave the heap before this one's peak
             allocator.trim()
         telemetry = self._telemetry = StepTelemetry(self.stores.all(), self.tracer)
@@ -215,7 +215,7 @@ class Engine:
         loss = float(jnp.mean(step.loss))
         self.stores.flush()
         self.step_count += 0 if skipped else 1
-        progress.end(self.config)
+        crash_marker.end(self.config)
         self._telemetry = None
         if not self._steps_run:
             self._release_scratch()  # the first step compiled every stage function
@@ -252,7 +252,7 @@ class Engine:
             return key[None]
         return jax.vmap(lambda a: jax.random.fold_in(key, a))(jnp.arange(self.micro))
 
-    def _run(self, name: str, layer: int, fn, *args):
+    def _dispatch(self, name: str, layer: int, fn, *args):
         """``fn(*args)``, dispatched asynchronously; an attached tracer gets the dispatch time and the result.
 
         JAX's dispatch does not wait for compute, and reads that finish early would let this loop queue
@@ -355,7 +355,7 @@ class _Step:
 
     def _update_reads(self, group: str, i: int) -> list:
         """What a fused update of unit ``i`` needs beyond what the backward read: opt (and master)."""
-        if self.e.spool:
+        if self.e.spools_gradients:
             return []
         reads = []
         if self.e.plan.state_of(group):
@@ -376,8 +376,8 @@ class _Step:
 
             def run(trees, stage=stage, groups=groups):
                 params = self._values(stage.params, groups, trees)
-                fwd = self.e.fns.whole_fwd(stage.position)
-                outs = self.e._run(f"{label(self.p, stage)}_fwd", stage.position, fwd, params,
+                fwd = self.e.stage_fns.whole_fwd(stage.position)
+                outs = self.e._dispatch(f"{label(self.p, stage)}_fwd", stage.position, fwd, params,
                                    [self.env[v] for v in stage.inputs])
                 self.env.update(zip(stage.outputs, outs, strict=True))
                 if self.p.loss_var in stage.outputs:
@@ -418,9 +418,9 @@ class _Step:
                 self.written.add((stage.position, i))
                 ins = [self.env[v] for v in stage.const_vars]
                 xs = [self.env[v][:, i] for v in stage.xs_vars]
-                fwd = self.e.fns.scan_fwd(stage.position)
-                state["carry"], state["ys"][i] = self.e._run(f"{label(self.p, stage)}_fwd", i, fwd, state["params"],
-                                                             slices, ins, state["carry"], xs)
+                fwd = self.e.stage_fns.scan_fwd(stage.position)
+                state["carry"], state["ys"][i] = self.e._dispatch(f"{label(self.p, stage)}_fwd", i, fwd,
+                                                                  state["params"], slices, ins, state["carry"], xs)
 
             ops.append(Op("scan_fwd", i, s_reads, run))
 
@@ -469,13 +469,13 @@ class _Step:
         def run(trees, stage=stage, groups=groups, done=done):
             params = self._values(stage.params, groups, trees[: len(groups)])
             d_outs = [self._cotangent(v) for v in stage.outputs]
-            bwd = self.e.fns.whole_bwd(stage.position)
-            d_params, d_ins = self.e._run(f"{label(self.p, stage)}_bwd", stage.position, bwd, params,
+            bwd = self.e.stage_fns.whole_bwd(stage.position)
+            d_params, d_ins = self.e._dispatch(f"{label(self.p, stage)}_bwd", stage.position, bwd, params,
                                           [self.env[v] for v in stage.inputs], d_outs)
             self._add_grads(d_params)
             for v, c in zip(stage.inputs, d_ins, strict=True):
                 self._add_ct(v, c)
-            self._finish_whole(done, dict(zip(groups, trees[: len(groups)], strict=True)), trees[len(groups):])
+            self._update_whole(done, dict(zip(groups, trees[: len(groups)], strict=True)), trees[len(groups):])
 
         return [Op("whole_bwd", stage.position, reads + extra, run)]
 
@@ -521,7 +521,7 @@ class _Step:
             reads = [Read(track("params", g.name), self._store("params", g.name), 0) for g in done]
             reads += [r for g in done for r in self._update_reads(g.name, 0)]
             ops.append(Op("update_whole", stage.position, reads,
-                          lambda trees: self._finish_whole(done, dict(zip([g.name for g in done],
+                          lambda trees: self._update_whole(done, dict(zip([g.name for g in done],
                                                                           trees[: len(done)], strict=True)),
                                                            trees[len(done):])))
         return ops
@@ -538,8 +538,8 @@ class _Step:
         d_ys = [self.cts[v][:, i] if v in self.cts else
                 zero_cotangent(jax.ShapeDtypeStruct((self.e.micro, *v.aval.shape[1:]), v.aval.dtype))
                 for v in outvars]
-        d_params, d_slices, d_ins, state["d_carry"], d_xs = self.e._run(
-            f"{label(self.p, stage)}_bwd", i, self.e.fns.scan_bwd(stage.position), state["params"], slices, ins,
+        d_params, d_slices, d_ins, state["d_carry"], d_xs = self.e._dispatch(
+            f"{label(self.p, stage)}_bwd", i, self.e.stage_fns.scan_bwd(stage.position), state["params"], slices, ins,
             carry, xs, state["d_carry"], d_ys)
         for k, g in d_params.items():
             state["d_params"][k] = state["d_params"][k] + g if k in state["d_params"] else g
@@ -558,7 +558,7 @@ class _Step:
             if g.name in self.e._tied:
                 spooled, rest = rest[0], rest[1:]
                 grads = [a + spooled[self.p.leaves[k].path] for k, a in zip(g.leaves, grads, strict=True)]
-            self._finish_unit(g.name, i, by_group[g.name], grads, upd)
+            self._update_unit(g.name, i, by_group[g.name], grads, upd)
         for group in sorted({self.p.leaves[k].group for k in stage.streams} - {g.name for g in owned}):
             leaves = self.p.groups[group].leaves
             self._contribute(group, i, {self.p.leaves[k].path: d_slices[k] for k in leaves if k in d_slices})
@@ -575,26 +575,26 @@ class _Step:
             return []
         reads = [Read(track("params", "w:unused"), self._store("params", "w:unused"), 0)]
         reads += self._update_reads("w:unused", 0)
-        return [Op("update_unused", 0, reads, lambda trees: self._finish_whole(
+        return [Op("update_unused", 0, reads, lambda trees: self._update_whole(
             unused, {"w:unused": trees[0]}, trees[1:]))]
 
     # ---- updates -----------------------------------------------------------------------------
 
-    def _finish_whole(self, done, trees: dict, upd: list) -> None:
+    def _update_whole(self, done, trees: dict, upd: list) -> None:
         for g in done:
             leaves = self.p.leaves_of(g.name)
             grads = [self.whole_grads.pop(leaf.index, None) for leaf in leaves]
             grads = [jnp.zeros(leaf.shape, jnp.float32) if x is None else x for leaf, x in zip(leaves, grads,
                                                                                                strict=True)]
             n = len(self._update_reads(g.name, 0))
-            self._finish_unit(g.name, 0, trees[g.name], grads, upd[:n])
+            self._update_unit(g.name, 0, trees[g.name], grads, upd[:n])
             upd = upd[n:]
 
-    def _finish_unit(self, group: str, i: int, params_tree: dict, grads: list, upd: list) -> None:
+    def _update_unit(self, group: str, i: int, params_tree: dict, grads: list, upd: list) -> None:
         """A unit's gradient is complete: update it now (fused), or spool it for the sweeps."""
         e = self.e
         paths = [leaf.path for leaf in self.p.leaves_of(group)]
-        if e.spool:
+        if e.spools_gradients:
             spooled, finite = e.units.spool(group)(grads)
             e._write(track("grads", group), self._store("grads", group), i, dict(zip(paths, spooled, strict=True)))
             self.finite.append(finite)
@@ -609,7 +609,7 @@ class _Step:
                grad_div) -> None:
         e = self.e
         fn = e.units.update(group, sweep, e.units.size(group, i))
-        partials, compute, master, state = e._run(f"update_{dir_name(group)}", i, fn, master, grads, state,
+        partials, compute, master, state = e._dispatch(f"update_{dir_name(group)}", i, fn, master, grads, state,
                                                   e.globals, totals, e.units.start(group, i), grad_div)
         for c, value in zip(e.plan.crosses_of(group, sweep), partials, strict=True):
             self.partials.setdefault(c.eqn.outvars[0], []).append(value)
@@ -626,7 +626,7 @@ class _Step:
     def finish_update(self, telemetry) -> bool:
         """After the backward pass: the sweeps (when spooled) and the global state; whether the step was skipped."""
         e = self.e
-        if e.spool:
+        if e.spools_gradients:
             finite = bool(jnp.all(jnp.stack(self.finite))) if self.finite else True
             if e.config.precision == "fp16":
                 e.loss_scale.after_step(finite)

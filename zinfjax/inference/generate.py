@@ -27,7 +27,7 @@ import numpy as np
 from zinfjax import models
 from zinfjax.config import Config
 from zinfjax.engine.readahead import Read, ReadAhead
-from zinfjax.engine.stores import SCRATCH_NVME
+from zinfjax.engine.store_plan import SCRATCH_NVME
 from zinfjax.errors import ConfigError
 from zinfjax.inference.params import ParamStores, checkpoint_model
 from zinfjax.inference.sampling import Sampling, next_tokens

@@ -22,7 +22,7 @@ from zinfjax.checkpoint.errors import CheckpointError
 from zinfjax.checkpoint.manager import latest_checkpoint
 from zinfjax.config import Config
 from zinfjax.engine.budget import with_defaults
-from zinfjax.engine.stores import SCRATCH_NVME
+from zinfjax.engine.store_plan import SCRATCH_NVME
 from zinfjax.models import ModelConfig
 from zinfjax.store import BufferPool, open_store
 from zinfjax.vocabulary import COMPUTE_DTYPES, GROUPS
