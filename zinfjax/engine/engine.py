@@ -266,7 +266,7 @@ class Engine:
             self.tracer.compute(name, layer, t0, out)
         self._computing.append(out)
         while len(self._computing) > max(1, self.config.prefetch_depth):
-            jax.block_until_ready(self._computing.popleft())
+            wait_for(self._computing.popleft())
         return out
 
     def _write(self, track: str, store, i: int, tree) -> None:
@@ -602,13 +602,17 @@ class _Step:
         has_state = bool(e.plan.state_of(group))
         opt = upd[0] if has_state else {}
         master = upd[1 if has_state else 0] if e.stores.master else params_tree
+        # The fused update's gradient is its own, and optimizer state read from NVMe is a fresh buffer: the
+        # new state and parameters may take over their memory (docs/design.md, invariant 2).
+        donate = (1, 2) if has_state and self._store("opt", group).tier == "nvme" else (1,)
         self._apply(group, i, [master[p] for p in paths], grads,
-                    [opt[s.path] for s in e.plan.state_of(group)], sweep=0, totals=[], grad_div=jnp.float32(1))
+                    [opt[s.path] for s in e.plan.state_of(group)], sweep=0, totals=[], grad_div=jnp.float32(1),
+                    donate=donate)
 
     def _apply(self, group: str, i: int, master: list, grads: list, state: list, sweep: int, totals: list,
-               grad_div) -> None:
+               grad_div, donate: tuple[int, ...] = ()) -> None:
         e = self.e
-        fn = e.units.update(group, sweep, e.units.size(group, i))
+        fn = e.units.update(group, sweep, e.units.size(group, i), donate)
         partials, compute, master, state = e._dispatch(f"update_{dir_name(group)}", i, fn, master, grads, state,
                                                   e.globals, totals, e.units.start(group, i), grad_div)
         for c, value in zip(e.plan.crosses_of(group, sweep), partials, strict=True):
@@ -661,6 +665,13 @@ class _Step:
             self._apply(g.name, i, [trees[0][p] for p in paths], [trees[1][p] for p in paths], state, sweep, totals,
                         grad_div)
         telemetry.add_reads(reads)
+
+
+def wait_for(outputs) -> None:
+    """Waits until a computation's outputs are ready; an output a later computation took over (donated) is."""
+    for x in jax.tree.leaves(outputs):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.block_until_ready()
 
 
 def tied_groups(program: Program) -> dict[str, int]:

@@ -68,12 +68,13 @@ class Units:
 
     # ---- functions -----------------------------------------------------------------------------
 
-    @functools.cache  # noqa: B019 - compiled once per (group, sweep, size) for the life of the units
-    def update(self, group: str, sweep: int, size: int | None):
+    @functools.cache  # noqa: B019 - compiled once per (group, sweep, size, donate) for the life of the units
+    def update(self, group: str, sweep: int, size: int | None, donate: tuple[int, ...] = ()):
         """A jitted ``f(master, grads, state, globals, totals, start, grad_div) -> (partials, compute, master, state)``.
 
         Inputs and outputs are lists in store layout (group leaf order; the group's state leaves).
-        ``grad_div`` divides the gradients first (the fp16 loss scale, else 1).
+        ``grad_div`` divides the gradients first (the fp16 loss scale, else 1). ``donate``: the
+        arguments whose buffers the outputs may take over (the caller holds no other reference).
         """
         unit = self.plan.unit(group, sweep, size)
         paths = [leaf.path for leaf in self.program.leaves_of(group)]
@@ -90,7 +91,7 @@ class Units:
             return (partials, self._place("params", paths, compute), self._place("master", paths, new_master),
                     self._place("opt", state_paths, new_state))
 
-        return jax.jit(f)
+        return jax.jit(f, donate_argnums=donate)
 
     @functools.cache  # noqa: B019
     def init(self, group: str, size: int | None):
