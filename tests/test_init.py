@@ -85,7 +85,7 @@ def test_the_budget_sets_buffers_and_read_ahead_unless_given(tmp_path):
     limit = rss.current_bytes() + (2 << 30)  # a budget above what this test process already holds
     auto = config(nvme_path=str(tmp_path / "a"), memory_limit=limit, **NVME)
     engine = lm_engine(models.build(auto.model), auto, make_mesh(auto.mesh_axes()))
-    assert engine.budget.source == "memory_limit" and engine.config.prefetch_depth == 4
+    assert engine.budget.source == "memory_limit" and engine.config.prefetch_depth == 5
     assert engine.config.host_buffer_bytes >= engine.stores.pool.capacity_bytes > 0
     engine.close()
     given = config(nvme_path=str(tmp_path / "b"), memory_limit=limit, prefetch_depth=1, host_buffer_bytes="8MiB",

@@ -10,7 +10,7 @@ XLA's compiler, and splits the rest:
   fragments), one slice staged and one slice in flight;
 - when the budget holds a second slice staged and in flight and one operation read ahead beyond
   that, ``host_buffer_bytes`` and the writes in flight are two slices, and ``prefetch_depth`` is
-  what the rest holds (2 to 4) at twice the largest operation's reads per step of read-ahead;
+  what the rest holds (2 to 5) at twice the largest operation's reads per step of read-ahead;
 - otherwise the budget is *lean*: one slice each, one operation read ahead, and the
   engine lowers glibc's mmap threshold so freed layer buffers leave the heap at once.
 
@@ -21,7 +21,7 @@ Example:
     >>> from zinfjax import Config
     >>> plan = plan_budget(Config(memory_limit="2GiB"), read_bytes=90 << 20, write_bytes=85 << 20, baseline=300 << 20)
     >>> plan.lean, plan.prefetch_depth, plan.host_buffer_bytes >> 20
-    (False, 4, 170)
+    (False, 5, 170)
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ COMPILE_RESERVE = 192 << 20
 # files it reads through tensorstore's metadata), measured under `bench memory`.
 MARGIN_FRACTION = 0.08
 MARGIN_MIN = 64 << 20
-MAX_DEPTH = 4
+MAX_DEPTH = 5  # what the engine read ahead at most before the read-ahead counted exactly (its cap of 4 read 5)
 # What the operation computing and one read ahead of it hold, in units of an operation's reads: the
 # reads, the outputs (an update's new params and optimizer state), the gradient, the next reads and
 # the heap's fragments; measured with gpt2-small on NVMe (docs/engine.md, "Memory"): 310 MiB at 84 MiB.
