@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax import nnx
 
 import zinfjax
@@ -154,8 +153,3 @@ def test_llama_nnx_with_scanned_blocks_at_stage2(tmp_path):
     synced = nnx.state(model, nnx.Param).to_pure_dict()
     for a, b in zip(jax.tree.leaves(synced), jax.tree.leaves(params_after), strict=True):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("example", [vit_linen, bert_mlm_linen, llama_nnx])
-def test_each_example_runs_as_a_script(example, tmp_path):
-    example.main(["--steps", "2", "--nvme-path", str(tmp_path / "nvme")])
