@@ -46,13 +46,18 @@ def add_train(sub) -> None:
         "  zinfjax train ds_config.json   # a DeepSpeed config: zero_optimization is mapped",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("config", nargs="?", help="JSON or YAML config file, or a DeepSpeed config JSON")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config key; repeat for several")
+    add_config_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of compute and every read and "
                    "write per layer to FILE (JSON), and a PNG timeline beside it; needs an offloaded tier")
     p.set_defaults(func=_train)
+
+
+def add_config_args(p) -> None:
+    """The config file and ``--set`` overrides, as ``zinfjax train`` and ``zinfjax plan`` take them."""
+    p.add_argument("config", nargs="?", help="JSON or YAML config file, or a DeepSpeed config JSON")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key (the keys: `zinfjax train --help`); repeat for several")
 
 
 def _train(args) -> int:
@@ -87,7 +92,8 @@ def add_plan(sub) -> None:
         "under nvme_path; and a predicted step time. On the CPU backend device memory is host memory, so the "
         "device and host tiers share the host budget. The prediction times a few steps of the engine on a few "
         "layers of the model (compute, scaled by FLOPs to every layer), probes the disk under nvme_path (256 MiB of "
-        "O_DIRECT I/O) and the host-copy rate; on the CPU backend step = max(compute + host copies, NVMe I/O) plus "
+        "O_DIRECT I/O) and times the same steps with every tier on host for the host-copy rate; on the CPU "
+        "backend step = max(compute + host copies, NVMe I/O) plus "
         "half the shorter of the two (the I/O threads share the cores), elsewhere the largest of the three. It "
         "recommends the fastest placement that fits; `zinfjax train --set tiers=auto` trains with it.",
         epilog="examples:\n  zinfjax plan --set model=gpt2-small --set batch_size=4 --set seq_len=512\n"
@@ -95,9 +101,7 @@ def add_plan(sub) -> None:
         "  zinfjax train run.yaml --set tiers=auto --set nvme_path=/mnt/nvme/run1",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("config", nargs="?", help="JSON or YAML config file, or a DeepSpeed config JSON (as zinfjax train)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config key (see `zinfjax train --help`); repeat for several")
+    add_config_args(p)
     p.add_argument("--json", action="store_true", help="print the whole plan as one JSON object")
     p.add_argument("--no-probe", action="store_true", help="no timing runs: nominal compute, disk and copy rates "
                    "(fast; the fit figures are the same)")
