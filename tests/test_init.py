@@ -18,7 +18,7 @@ from flax.training import train_state
 import zinfjax
 from tests.engine_helpers import assert_bitwise, config
 from zinfjax import models, rss
-from zinfjax.engine.budget import MemoryBudgetError
+from zinfjax.engine.budget import MAX_DEPTH, MemoryBudgetError
 from zinfjax.models.stacked import lm_init
 from zinfjax.sharding import make_mesh
 from zinfjax.train import lm_engine
@@ -85,7 +85,7 @@ def test_the_budget_sets_buffers_and_read_ahead_unless_given(tmp_path):
     limit = rss.current_bytes() + (2 << 30)  # a budget above what this test process already holds
     auto = config(nvme_path=str(tmp_path / "a"), memory_limit=limit, **NVME)
     engine = lm_engine(models.build(auto.model), auto, make_mesh(auto.mesh_axes()))
-    assert engine.budget.source == "memory_limit" and engine.config.prefetch_depth == 5
+    assert engine.budget.source == "memory_limit" and engine.config.prefetch_depth == MAX_DEPTH
     assert engine.config.host_buffer_bytes >= engine.stores.pool.capacity_bytes > 0
     engine.close()
     given = config(nvme_path=str(tmp_path / "b"), memory_limit=limit, prefetch_depth=1, host_buffer_bytes="8MiB",

@@ -55,7 +55,7 @@ def test_parts_equal_zero_formulas_and_engine_stores(precision, tmp_path):
     # the nominal traffic model (params read twice, the rest once) is what the engine moves
     from zinfjax.plan import _specs
 
-    nominal = traffic(_specs(c, mc), dict.fromkeys(TIER_KEYS, "host"), None)
+    nominal = traffic(_specs(c, mc)[0], dict.fromkeys(TIER_KEYS, "host"), None)
     assert nominal["read_host"] == pytest.approx(moved_read, rel=0.1)
 
 

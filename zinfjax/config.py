@@ -50,6 +50,7 @@ class Config:
     prefetch_depth: int | None = None  # None: from memory_limit (engine/budget.py)
     host_buffer_bytes: int | None = None  # None: from memory_limit
     memory_limit: int | None = None  # None: the cgroup's limit or the available memory, less a margin
+    sub_group_size: int | None = None  # parameters per update part; None: parts only when memory needs them
     # numerics
     precision: str = "fp32"
     grad_clip: float = 0.0
@@ -290,7 +291,7 @@ def _validate(c: Config) -> None:
         "a tier is 'nvme' but nvme_path is not set; set nvme_path=/path/on/fast/disk",
     )
     _check(c.prefetch_depth is None or c.prefetch_depth >= 0, f"prefetch_depth={c.prefetch_depth} must be 0 or more")
-    for key in ("host_buffer_bytes", "memory_limit"):
+    for key in ("host_buffer_bytes", "memory_limit", "sub_group_size"):
         _check(getattr(c, key) is None or getattr(c, key) > 0, f"{key}={getattr(c, key)} must be positive")
     _check(c.precision in PRECISIONS, f"precision={c.precision!r} is not allowed; use {', '.join(PRECISIONS)}")
     _check(math.isfinite(c.grad_clip) and c.grad_clip >= 0, f"grad_clip={c.grad_clip} must be 0 (off) or positive")
@@ -338,6 +339,9 @@ KEY_DOCS = {
     "host_buffer_bytes": "bound on host staging buffers for NVMe I/O, e.g. 512MiB; default: from memory_limit",
     "memory_limit": "host memory the process may use, e.g. 2GiB; the engine derives its buffers and read-ahead "
                     "from it; default: the memory cgroup's limit or the available memory, less a margin",
+    "sub_group_size": "update a layer in parts of at most this many parameters (each leaf whole), reading and "
+                      "writing each part's optimizer state alone, as DeepSpeed's sub_group_size; default: one "
+                      "update per layer, and parts only when memory_limit needs them",
     "precision": "fp32, bf16 or fp16 compute (master weights stay fp32)",
     "grad_clip": "global-norm gradient clipping threshold; 0 is off",
     "grad_accum": "micro-batches per optimizer step",

@@ -23,7 +23,7 @@ NO_EFFECT = {
         "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
         "allgather_partitions", "allgather_bucket_size", "round_robin_gradients",
         "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
-        "stage3_gather_16bit_weights_on_model_save", "sub_group_size", "memory_efficient_linear",
+        "stage3_gather_16bit_weights_on_model_save", "memory_efficient_linear",
         "stage3_param_persistence_threshold", "elastic_checkpoint", "load_from_fp32_weights",
     },
     "offload_param": {"pin_memory", "max_in_cpu"},
@@ -65,6 +65,8 @@ def _zero(zero: Any, out: dict, unsupported: list[str]) -> None:
             out["stage"] = value
         elif key in ("offload_param", "offload_optimizer"):
             _offload(key, value, out, unsupported)
+        elif key == "sub_group_size":
+            out["sub_group_size"] = _count(value, "zero_optimization.sub_group_size")
         elif key not in NO_EFFECT["zero_optimization"]:
             unsupported.append(f"zero_optimization.{key}")
 

@@ -80,10 +80,12 @@ class PlanError(UserError):
 # ---- the state's parts -------------------------------------------------------------------------
 
 
-def _specs(config: Config, model_config):
-    """The engine's store specs for ``config`` on ``model_config`` (nothing allocated)."""
+def _specs(config: Config, model_config) -> tuple[list, dict]:
+    """The engine's stores for ``config`` on ``model_config`` as ``(kind, group, like)`` (nothing allocated),
+    and the groups it updates in parts (`zinfjax.engine.parts`)."""
     from zinfjax import models
     from zinfjax.engine.engine import COMPUTE_DTYPES, compiled, store_specs
+    from zinfjax.engine.parts import update_parts
     from zinfjax.optim import make_optimizer
     from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, make_mesh
     from zinfjax.train import lm_program
@@ -96,7 +98,8 @@ def _specs(config: Config, model_config):
     rules = ShardingRules.for_mesh(mesh, config.stage, model.partition_rules, PERSISTENCE_THRESHOLD)
     placement, _, plan, _ = compiled(program, tx, rules, mesh, compute, config.grad_accum)
     specs, acts = store_specs(config, program, plan, placement, compute)
-    return [(s.kind, s.group, s.like) for s in specs] + [("acts", s.group, s.like) for s in acts.values()]
+    cut = update_parts(program, plan, specs, plan.sweeps > 1 or config.precision == "fp16")
+    return [(s.kind, s.group, s.like) for s in specs] + [("acts", s.group, s.like) for s in acts.values()], cut
 
 
 def tree_bytes(like) -> int:
@@ -131,7 +134,7 @@ def transient_bytes(config: Config, m) -> int:
 
 def state_parts(config: Config, model_config, stores=None) -> dict:
     """Bytes of each part of the state (whole, and on the busiest device), and the stores behind them."""
-    stores = stores if stores is not None else _specs(config, model_config)
+    stores = stores if stores is not None else _specs(config, model_config)[0]
     psi = parameter_count(model_config)
     by_kind: dict[str, int] = {}
     per_device: dict[str, int] = {}
@@ -337,28 +340,23 @@ def uses_reference(config: Config, tiers: dict[str, str]) -> bool:
     return config.stage == 0 and not config.save_dir and all(t == "device" for t in tiers.values())
 
 
-def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dict) -> dict:
-    """What ``tiers`` needs of host memory, device memory and disk, and what is short of each."""
-    on = {(kind, group): tiers[KIND_TIER[kind]] for kind, group, _ in stores}
+def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dict, cut: dict | None = None) -> dict:
+    """What ``tiers`` needs of host memory, device memory and disk, and what is short of each
+    (``cut``: the groups the engine updates in parts)."""
+    from zinfjax.engine.store_plan import StoreSpec, budget_needs
+
     cpu = machine["platform"] == "cpu"
     held = {"device": 0, "host": 0, "nvme": 0}
     device_held = 0
-    slices: dict[str, int] = {}
-    act_slice, write_slice = 0, 0
+    specs = []
     for kind, group, like in stores:
-        tier = on[(kind, group)]
+        tier = tiers[KIND_TIER[kind]]
         held[tier] += tree_bytes(like)
         if tier == "device":
             device_held += device_bytes(like)
-        layers = max(jax.tree.leaves(like)[0].shape[0], 1) if jax.tree.leaves(like) else 1
-        one = tree_bytes(like) // layers
-        if kind == "acts":
-            act_slice = max(act_slice, one)
-        else:
-            slices[group] = slices.get(group, 0) + one
-        if tier == "nvme":
-            write_slice = max(write_slice, one)
-    read = max(slices.values(), default=0) + act_slice
+        specs.append(StoreSpec(kind, group, tier, like))
+    read, write_slice, _ = budget_needs([s for s in specs if s.kind != "acts"], [s for s in specs if s.kind == "acts"],
+                                        machine["platform"], cut)
     transient = parts["activation_transient"]
     if uses_reference(config, tiers):  # the whole state, the gradients and the activations at once
         resident = held["device"] + parts["gradients"] + parts["activations"]
@@ -417,10 +415,10 @@ def make_plan(config: Config, probe: bool = True) -> dict:
     model_config = models.ModelConfig.resolve(config.model)
     _check_batch(config, model_config)
     machine = budgets(config)
-    stores = _specs(config, model_config)
+    stores, cut = _specs(config, model_config)
     parts = state_parts(config, model_config, stores)
     candidates = placements(nvme=bool(config.nvme_path))
-    fits = [(tiers, fit(config, parts, stores, tiers, machine)) for tiers in candidates]
+    fits = [(tiers, fit(config, parts, stores, tiers, machine, cut)) for tiers in candidates]
     if not any(f["fits"] for _, f in fits):
         raise PlanError(shortfall(config, fits, machine))
     rates = dict(NOMINAL, engine_s=nominal_compute(config, model_config))

@@ -188,6 +188,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
               "the learning rate never reaches lr", file=sys.stderr)
     if getattr(trainer, "engine", None) is not None:
         log["budget"] = dataclasses.asdict(trainer.engine.budget)
+        log["update_parts"] = {g: len(p) for g, p in trainer.engine.parts.items()}  # layers updated in parts
     saver = Saver(config, model.config, trainer, plan.run_id, first - 1) if config.save_dir else None
     watch = LossWatch(config.max_nonfinite_steps, config.lr)
     bar = tqdm(range(first, config.steps + 1), disable=not (progress and main), unit="step", dynamic_ncols=True,

@@ -113,4 +113,5 @@ def train_in_cgroup(sets: list[str], limit: int, workdir: str, timeout: float = 
         "nvme_read_GB_per_step": steps[-1].get("read_bytes_nvme", 0) / 1e9,
         "nvme_write_GB_per_step": steps[-1].get("write_bytes_nvme", 0) / 1e9,
         "budget": data.get("budget"),
+        "update_parts": data.get("update_parts"),
     }

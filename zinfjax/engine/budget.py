@@ -10,9 +10,11 @@ XLA's compiler, and splits the rest:
   fragments), one slice staged and one slice in flight;
 - when the budget holds a second slice staged and in flight and one operation read ahead beyond
   that, ``host_buffer_bytes`` and the writes in flight are two slices, and ``prefetch_depth`` is
-  what the rest holds (2 to 5) at twice the largest operation's reads per step of read-ahead;
-- otherwise the budget is *lean*: one slice each, one operation read ahead, and the
-  engine lowers glibc's mmap threshold so freed layer buffers leave the heap at once.
+  what the rest holds (2 to 3) at twice the largest operation's reads per step of read-ahead;
+- otherwise the budget is *lean*: one slice each, one operation read ahead.
+
+With state on NVMe the engine also lowers glibc's mmap threshold (`NVME_MMAP_THRESHOLD`), so freed
+layer buffers leave the heap at once.
 
 A key set explicitly is kept. A budget too small for even one slice in flight is refused before
 anything is written, naming the smallest budget that would work (docs/engine.md, "Memory").
@@ -21,7 +23,7 @@ Example:
     >>> from zinfjax import Config
     >>> plan = plan_budget(Config(memory_limit="2GiB"), read_bytes=90 << 20, write_bytes=85 << 20, baseline=300 << 20)
     >>> plan.lean, plan.prefetch_depth, plan.host_buffer_bytes >> 20
-    (False, 5, 170)
+    (False, 3, 170)
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ COMPILE_RESERVE = 192 << 20
 # files it reads through tensorstore's metadata), measured under `bench memory`.
 MARGIN_FRACTION = 0.08
 MARGIN_MIN = 64 << 20
-MAX_DEPTH = 5  # what the engine read ahead at most before the read-ahead counted exactly (its cap of 4 read 5)
+MAX_DEPTH = 3  # deeper read-ahead bought no step time on 2 cores (docs/BENCHMARKS.md, "Memory"), at 2 reads a step
 # What the operation computing and one read ahead of it hold, in units of an operation's reads: the
 # reads, the outputs (an update's new params and optimizer state), the gradient, the next reads and
 # the heap's fragments; measured with gpt2-small on NVMe (docs/engine.md, "Memory"): 310 MiB at 84 MiB.
@@ -50,10 +52,10 @@ LIVE_BASE = 4
 # computation queued behind the loop (engine.py, `_run`); measured as above, 2.1x its reads.
 LIVE_PER_DEPTH = 2
 MIN_BUFFERS = 1 << 20
-# The glibc mmap threshold of a lean budget: layer-sized buffers come from their own mappings and
-# go back to the system when freed, instead of fragmenting the heap (100-150 MiB less at the peak,
-# at no measurable cost in step time for gpt2-small; zinfjax.allocator).
-LEAN_MMAP_THRESHOLD = 4 << 20
+# The glibc mmap threshold with state on NVMe: layer-sized buffers come from their own mappings and
+# go back to the system when freed, instead of fragmenting the heap (100-300 MiB less at the peak of
+# gpt2-small and llama-1b, at no measurable cost in step time; zinfjax.allocator).
+NVME_MMAP_THRESHOLD = 4 << 20
 
 
 class MemoryBudgetError(UserError):

@@ -35,7 +35,8 @@ from jax.sharding import PartitionSpec as P
 from zinfjax import allocator
 from zinfjax.config import Config
 from zinfjax.engine import crash_marker
-from zinfjax.engine.budget import LEAN_MMAP_THRESHOLD, LIVE_BASE, plan_budget
+from zinfjax.engine.budget import LIVE_BASE, NVME_MMAP_THRESHOLD, BudgetPlan, MemoryBudgetError, plan_budget
+from zinfjax.engine.parts import Part, update_parts
 from zinfjax.engine.placement import Placement
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.engine.store_plan import acts_spec, budget_needs, build_stores, dir_name, plan_stores
@@ -124,12 +125,11 @@ class Engine:
         self._check_micro_batch()
         self._tied = self._tied_groups()
         specs, acts = store_specs(config, program, self.plan, self.placement, self.compute_dtype)
-        read, write, resident = budget_needs(specs, list(acts.values()), mesh.devices.flat[0].platform)
-        self.budget = plan_budget(config, read, write, resident)
+        self.parts, self.budget, read = self._plan_memory(specs, list(acts.values()))
         # While the state is written at the start, no step holds its operations' memory: writes may use it.
         self._write_bound = self.budget.write_bytes_in_flight + LIVE_BASE * read
-        if self.budget.lean:  # freed layer buffers leave the heap at once (docs/design.md, invariant 2)
-            allocator.tune_allocator(mmap_threshold=LEAN_MMAP_THRESHOLD)
+        if config.uses_nvme:  # freed layer buffers leave the heap at once (docs/design.md, invariant 2)
+            allocator.tune_allocator(mmap_threshold=NVME_MMAP_THRESHOLD)
         self.config = config = config.replace(prefetch_depth=self.budget.prefetch_depth,
                                               host_buffer_bytes=self.budget.host_buffer_bytes)
         self.step_count = int(getattr(source, "step", 0))
@@ -139,7 +139,7 @@ class Engine:
         self._writing = 0  # bytes of the writes in flight
         self._telemetry: StepTelemetry | None = None
         self._steps_run = 0
-        self.stores = build_stores(config, specs, acts)
+        self.stores = build_stores(config, specs, acts, self.parts)
         self.interrupted_step = crash_marker.interrupted(config)
         try:
             self._fill(source)
@@ -154,6 +154,26 @@ class Engine:
     def num_layers(self) -> int:
         """Slices of the longest streamed group (the layers of a transformer)."""
         return max((g.length for g in self.program.streamed_groups()), default=1)
+
+    def _plan_memory(self, specs, acts) -> tuple[dict, BudgetPlan, int]:
+        """The update parts, the memory budget's plan, and the largest operation's reads.
+
+        Layers are updated whole while the budget holds that with room (a roomy budget): fewer
+        operations cost less CPU time. A lean or refused budget takes the parts (`zinfjax.engine.parts`),
+        whose largest operation reads less; ``sub_group_size`` cuts them as asked, whatever the budget.
+        """
+        platform = self.mesh.devices.flat[0].platform
+        parts = update_parts(self.program, self.plan, specs, self.spools_gradients, self.config.sub_group_size)
+        if parts and not self.config.sub_group_size:
+            whole = budget_needs(specs, acts, platform)
+            try:
+                plan = plan_budget(self.config, *whole)
+            except MemoryBudgetError:
+                plan = None
+            if plan is not None and not plan.lean:
+                return {}, plan, whole[0]
+        needs = budget_needs(specs, acts, platform, parts)
+        return parts, plan_budget(self.config, *needs), needs[0]
 
     def _check_micro_batch(self) -> None:
         data = self.mesh.shape["data"]
@@ -177,20 +197,25 @@ class Engine:
         given = source.globals()
         self.globals = list(given) if given is not None else self.plan.init_globals()
         for g in self.program.groups.values():
-            paths = [leaf.path for leaf in self.program.leaves_of(g.name)]
-            state_paths = [st.path for st in self.plan.state_of(g.name)]
+            leaves = self.program.leaves_of(g.name)
             for i in range(g.length):
-                params = source.params(g.name, i)
-                compute, master, state = self.units.init(g.name, self.units.size(g.name, i))(
-                    params, self.units.start(g.name, i))
+                params = dict(zip([leaf.path for leaf in leaves], source.params(g.name, i), strict=True))
                 given_state = source.state(g.name, i)
                 if given_state is not None:
-                    state = given_state
-                self._write("fill", s.params[g.name], i, dict(zip(paths, compute, strict=True)))
-                if s.master:
-                    self._write("fill", s.master[g.name], i, dict(zip(paths, master, strict=True)))
-                if state_paths:
-                    self._write("fill", s.opt[g.name], i, dict(zip(state_paths, state, strict=True)))
+                    given_state = dict(zip([st.path for st in self.plan.state_of(g.name)], given_state, strict=True))
+                for part in self.parts.get(g.name, [None]):
+                    paths, state_paths = self.units.paths(g.name, part and part.leaves)
+                    compute, master, state = self.units.init(g.name, self.units.size(g.name, i), part and part.leaves)(
+                        [params.pop(p) for p in paths], self.units.start(g.name, i))
+                    if given_state is not None:
+                        state = [given_state[p] for p in state_paths]
+                    keys = part and part.params
+                    self._write("fill", s.params[g.name], i, dict(zip(paths, compute, strict=True)), keys)
+                    if s.master:
+                        self._write("fill", s.master[g.name], i, dict(zip(paths, master, strict=True)), keys)
+                    if state_paths:
+                        self._write("fill", s.opt[g.name], i, dict(zip(state_paths, state, strict=True)),
+                                    part and part.state)
             s.flush()
         self._write_bound = self.budget.write_bytes_in_flight
         if self.loss_scale.enabled and getattr(source, "loss_scale", None) is not None:
@@ -202,7 +227,7 @@ class Engine:
     def train_step(self, batch, rng=None) -> dict:
         """One optimizer step on ``batch`` (a pytree of arrays with a leading batch axis); returns its metrics."""
         crash_marker.begin(self.config, self.step_count + 1)
-        if self.budget.lean:  # the last step's freed buffers leave the heap before this one's peak
+        if self.config.uses_nvme:  # the last step's freed buffers leave the heap before this one's peak
             allocator.trim()
         telemetry = self._telemetry = StepTelemetry(self.stores.all(), self.tracer)
         step = _Step(self, self._micro_batches(batch), self._keys(rng))
@@ -269,18 +294,20 @@ class Engine:
             wait_for(self._computing.popleft())
         return out
 
-    def _write(self, track: str, store, i: int, tree) -> None:
+    def _write(self, track: str, store, i: int, tree, keys: tuple[str, ...] | None = None) -> None:
+        """Writes slice ``i`` (or its leaves ``keys``) to ``store``, bounding the bytes in flight."""
         t0 = time.perf_counter()
-        future = store.write(i, tree)
+        future = store.write(i, tree, keys)
+        nbytes = store.part_nbytes(keys)
         if self._telemetry is not None:
-            self._telemetry.add_write(store)
+            self._telemetry.add_write(store, keys)
         if self.tracer is not None:
             self.tracer.write(track, i, t0, future)
         # A write holds its slice in memory until it lands; without a bound, a disk slower than
         # compute would let that backlog grow with the number of layers (docs/design.md, invariant 2).
         # The bound is in bytes, from the memory budget, so it holds whatever the size of a layer.
-        self._writes.append((future, store.layer_nbytes))
-        self._writing += store.layer_nbytes
+        self._writes.append((future, nbytes))
+        self._writing += nbytes
         while self._writes and (self._writes[0][0].done() or self._writing > self._write_bound):
             done, nbytes = self._writes.popleft()
             self._writing -= nbytes
@@ -332,6 +359,7 @@ class _Step:
             self.env[self.p.rng_var] = keys
         self.cts: dict = {}
         self.whole_grads: dict = {}
+        self.pending: dict = {}  # (group, i) -> (its params, {leaf: gradient}) until its update parts have run
         self.written: set = set()  # (acts position, i) and ("grads", group, i) once written
         self.partials: dict = {}
         self.finite: list = []
@@ -353,15 +381,16 @@ class _Step:
         groups = sorted({self.p.leaves[k].group for k in leaves})
         return groups, [Read(track("params", g), self._store("params", g), i) for g in groups]
 
-    def _update_reads(self, group: str, i: int) -> list:
-        """What a fused update of unit ``i`` needs beyond what the backward read: opt (and master)."""
+    def _update_reads(self, group: str, i: int, part: Part | None = None) -> list:
+        """What a fused update of unit ``i`` (or of its leaves ``part``) needs beyond what the backward read:
+        opt (and master)."""
         if self.e.spools_gradients:
             return []
         reads = []
-        if self.e.plan.state_of(group):
-            reads.append(Read(track("opt", group), self._store("opt", group), i))
+        if self.e.plan.part_state(group, part and part.leaves):
+            reads.append(Read(track("opt", group), self._store("opt", group), i, keys=part and part.state))
         if self.e.stores.master:
-            reads.append(Read(track("master", group), self._store("master", group), i))
+            reads.append(Read(track("master", group), self._store("master", group), i, keys=part and part.params))
         return reads
 
     def _values(self, leaves, groups, trees) -> dict:
@@ -498,12 +527,16 @@ class _Step:
             act = Read(f"acts_{label(self.p, stage)}", acts, i, ready=lambda i=i: (stage.position, i) in self.written)
             extra = []
             for g in owned:
-                extra += self._update_reads(g.name, i)
+                if g.name not in self.e.parts:
+                    extra += self._update_reads(g.name, i)
                 if g.name in self.e._tied:
                     extra.append(Read(track("grads", g.name), self._store("grads", g.name), i,
                                       ready=lambda g=g, i=i: ("grads", g.name, i) in self.written))
             ops.append(Op("scan_bwd", i, s_reads + [act] + extra,
                           functools.partial(self._scan_step, stage, state, i, s_groups, owned)))
+            ops += [Op("update_part", i, self._update_reads(g.name, i, part),
+                       functools.partial(self._update_part, g.name, i, part))
+                    for g in owned for part in self.e.parts.get(g.name, [])]
 
         def end(_):
             for v, c in zip(stage.const_vars, state["d_ins"] or [], strict=False):
@@ -553,12 +586,18 @@ class _Step:
         rest = list(trees[n + 1:])
         for g in owned:  # in the order `_scan_backward` listed their reads
             grads = [d_slices[k] for k in g.leaves]
-            n_upd = len(self._update_reads(g.name, i))
+            in_parts = g.name in self.e.parts
+            n_upd = 0 if in_parts else len(self._update_reads(g.name, i))
             upd, rest = rest[:n_upd], rest[n_upd:]
             if g.name in self.e._tied:
                 spooled, rest = rest[0], rest[1:]
                 grads = [a + spooled[self.p.leaves[k].path] for k, a in zip(g.leaves, grads, strict=True)]
-            self._update_unit(g.name, i, by_group[g.name], grads, upd)
+            if in_parts:  # the update_part operations that follow take them (and the compute copy, as the master
+                # when there is no other: with one, it goes now)
+                own = None if self.e.stores.master else by_group[g.name]
+                self.pending[(g.name, i)] = (own, dict(zip(g.leaves, grads, strict=True)))
+            else:
+                self._update_unit(g.name, i, by_group[g.name], grads, upd)
         for group in sorted({self.p.leaves[k].group for k in stage.streams} - {g.name for g in owned}):
             leaves = self.p.groups[group].leaves
             self._contribute(group, i, {self.p.leaves[k].path: d_slices[k] for k in leaves if k in d_slices})
@@ -590,42 +629,54 @@ class _Step:
             self._update_unit(g.name, 0, trees[g.name], grads, upd[:n])
             upd = upd[n:]
 
-    def _update_unit(self, group: str, i: int, params_tree: dict, grads: list, upd: list) -> None:
-        """A unit's gradient is complete: update it now (fused), or spool it for the sweeps."""
+    def _update_part(self, group: str, i: int, part: Part, upd: list) -> None:
+        """The update of the leaves ``part`` of unit ``i``, from the gradients its backward left."""
+        params_tree, grads = self.pending[(group, i)]
+        mine = [grads.pop(k) for k in part.leaves]
+        if not grads:
+            del self.pending[(group, i)]
+        self._update_unit(group, i, params_tree, mine, upd, part)
+
+    def _update_unit(self, group: str, i: int, params_tree: dict, grads: list, upd: list,
+                     part: Part | None = None) -> None:
+        """A unit's gradient is complete: update it (or its leaves ``part``) now (fused), or spool it for the sweeps."""
         e = self.e
-        paths = [leaf.path for leaf in self.p.leaves_of(group)]
+        paths, state_paths = e.units.paths(group, part and part.leaves)
         if e.spools_gradients:
             spooled, finite = e.units.spool(group)(grads)
             e._write(track("grads", group), self._store("grads", group), i, dict(zip(paths, spooled, strict=True)))
             self.finite.append(finite)
             return
-        has_state = bool(e.plan.state_of(group))
+        has_state = bool(state_paths)
         opt = upd[0] if has_state else {}
         master = upd[1 if has_state else 0] if e.stores.master else params_tree
         # The fused update's gradient is its own, and optimizer state read from NVMe is a fresh buffer: the
         # new state and parameters may take over their memory (docs/design.md, invariant 2).
         donate = (1, 2) if has_state and self._store("opt", group).tier == "nvme" else (1,)
-        self._apply(group, i, [master[p] for p in paths], grads,
-                    [opt[s.path] for s in e.plan.state_of(group)], sweep=0, totals=[], grad_div=jnp.float32(1),
-                    donate=donate)
+        self._apply(group, i, [master[p] for p in paths], grads, [opt[p] for p in state_paths], sweep=0, totals=[],
+                    grad_div=jnp.float32(1), donate=donate, part=part)
 
     def _apply(self, group: str, i: int, master: list, grads: list, state: list, sweep: int, totals: list,
-               grad_div, donate: tuple[int, ...] = ()) -> None:
+               grad_div, donate: tuple[int, ...] = (), part: Part | None = None) -> None:
         e = self.e
-        fn = e.units.update(group, sweep, e.units.size(group, i), donate)
+        leaves = part and part.leaves
+        fn = e.units.update(group, sweep, e.units.size(group, i), donate, leaves)
         partials, compute, master, state = e._dispatch(f"update_{dir_name(group)}", i, fn, master, grads, state,
                                                   e.globals, totals, e.units.start(group, i), grad_div)
         for c, value in zip(e.plan.crosses_of(group, sweep), partials, strict=True):
             self.partials.setdefault(c.eqn.outvars[0], []).append(value)
         if sweep < e.plan.sweeps - 1:
             return
-        paths = [leaf.path for leaf in self.p.leaves_of(group)]
-        e._write(track("params", group), self._store("params", group), i, dict(zip(paths, compute, strict=True)))
+        paths, state_paths = e.units.paths(group, leaves)
+        keys = part and part.params
+        e._write(track("params", group), self._store("params", group), i, dict(zip(paths, compute, strict=True)),
+                 keys)
         if e.stores.master:
-            e._write(track("master", group), self._store("master", group), i, dict(zip(paths, master, strict=True)))
-        state_paths = [s.path for s in e.plan.state_of(group)]
+            e._write(track("master", group), self._store("master", group), i, dict(zip(paths, master, strict=True)),
+                     keys)
         if state_paths:
-            e._write(track("opt", group), self._store("opt", group), i, dict(zip(state_paths, state, strict=True)))
+            e._write(track("opt", group), self._store("opt", group), i, dict(zip(state_paths, state, strict=True)),
+                     part and part.state)
 
     def finish_update(self, telemetry) -> bool:
         """After the backward pass: the sweeps (when spooled) and the global state; whether the step was skipped."""

@@ -4,10 +4,12 @@ zinfjax's one read-ahead mechanism: the engine's steps, generation, evaluation a
 benchmark all read through it.
 
 The order of every read in a step is known before the step starts. A group holds the
-reads one layer's compute needs (its parameters, its activation checkpoint, its optimizer
-state). `ReadAhead` keeps the next ``depth`` groups in flight while the consumer works on
-the current one. A read may carry a readiness test (an activation checkpoint must be
-written before it is read back); issuing stops at the first group that is not ready.
+reads one operation's compute needs (a layer's parameters and activation checkpoint, its
+optimizer state or a part of it). `ReadAhead` keeps the next ``depth`` groups in flight while
+the consumer works on the current one: counted in groups, not bytes, so that at most ``depth``
+layers' parameters wait on the device ahead of compute (a forward layer reads a fraction of a
+backward one's bytes). A read may carry a readiness test (an activation checkpoint must be written before it is
+read back); issuing stops at the first group that is not ready.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ class ReadAheadError(UserError):
 
 @dataclasses.dataclass(frozen=True)
 class Read:
-    """One read: ``store.read(layer)`` under a telemetry ``track`` name."""
+    """One read: ``store.read(layer, keys)`` under a telemetry ``track`` name (``keys``: a part of the layer)."""
 
     track: str
     store: object
     layer: int
     ready: Callable[[], bool] | None = None
+    keys: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -74,7 +77,8 @@ class ReadAhead:
     def __next__(self) -> list:
         if self._consumed >= len(self.groups):
             raise StopIteration
-        self._fill(self._consumed + self.depth)
+        current = self._consumed
+        self._fill(current)
         if not self._pending:  # the group was not ready ahead of time: issue it now
             self._issue(self.groups[self._issued])
         futures = self._pending.popleft()
@@ -83,13 +87,17 @@ class ReadAhead:
         start = time.perf_counter()
         results = [f.result() for f in futures]
         self.stall_s += time.perf_counter() - start
-        self._fill(self._consumed - 1 + self.depth)  # while group consumed-1 is worked on: the next `depth`
+        self._fill(current)  # while group `current` is worked on: the groups after it
         return results
 
-    def _fill(self, upto: int) -> None:
-        while self._issued <= min(upto, len(self.groups) - 1):
-            group = self.groups[self._issued]
-            if self._issued > self._consumed and not all(r.ready is None or r.ready() for r in group):
+    def _fill(self, current: int) -> None:
+        """Issues group ``current`` if not yet, then up to ``depth`` groups after it."""
+        while self._issued < len(self.groups):
+            k = self._issued
+            if k > current + self.depth:
+                return
+            group = self.groups[k]
+            if k > self._consumed and not all(r.ready is None or r.ready() for r in group):
                 return
             self._issue(group)
 
@@ -98,7 +106,7 @@ class ReadAhead:
         for r in group:
             event = ReadEvent(r.track, r.layer, time.perf_counter())
             self.events.append(event)
-            fut = r.store.read(r.layer)
+            fut = r.store.read(r.layer, r.keys)
             fut.add_done_callback(lambda _, e=event: setattr(e, "complete_t", time.perf_counter()))
             futures.append(fut)
         self._pending.append(futures)

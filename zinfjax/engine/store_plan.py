@@ -158,30 +158,63 @@ def slice_bytes(spec: StoreSpec) -> int:
     return sum(int(np.prod(x.shape[1:])) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(spec.like))
 
 
-def budget_needs(specs: list[StoreSpec], acts: list[StoreSpec], platform: str) -> tuple[int, int, int]:
+def leaf_slice_bytes(spec: StoreSpec, path: str) -> int:
+    """Bytes of one slice of the leaf ``path`` of a store."""
+    x = spec.like[path]
+    return int(np.prod(x.shape[1:])) * jnp.dtype(x.dtype).itemsize
+
+
+def budget_needs(specs: list[StoreSpec], acts: list[StoreSpec], platform: str,
+                 parts: dict | None = None) -> tuple[int, int, int]:
     """``(read, write, resident)`` bytes for the memory budget: the largest operation's reads (a group's
     slices of every kind and an activation), the largest slice staged for a write, and the state held
-    whole in host memory (the host tier, and the device tier where the device is the host)."""
+    whole in host memory (the host tier, and the device tier where the device is the host).
+
+    ``parts`` (`zinfjax.engine.parts.update_parts`: `Part` lists by group) are the groups updated a
+    part at a time: their backward reads the compute copy (and spooled gradients), each part its
+    leaves' master and state, and writes stage one part at a time.
+    """
+    parts = parts or {}
     per_group: dict[str, int] = {}
     for spec in specs:
-        per_group[spec.group] = per_group.get(spec.group, 0) + slice_bytes(spec)
+        if spec.group not in parts or spec.kind in ("params", "grads"):
+            per_group[spec.group] = per_group.get(spec.group, 0) + slice_bytes(spec)
+    for group, cut in parts.items():
+        by_kind = {s.kind: s for s in specs if s.group == group and s.kind in ("master", "opt")}
+        for part in cut:
+            got = sum(leaf_slice_bytes(s, k) for s in by_kind.values() for k in part.keys(s.kind))
+            per_group[group] = max(per_group[group], got)
     read = max(per_group.values(), default=0) + max((slice_bytes(a) for a in acts), default=0)
-    write = max((staging_bytes(s.like) for s in specs + acts if s.tier == "nvme"), default=0)
+    write = largest_staged(specs + acts, parts)
     in_memory = ("host", "device") if platform == "cpu" else ("host",)
     resident = sum(_nbytes(s.like) for s in specs + acts if s.tier in in_memory)
     return read, write, resident
+
+
+def staged(spec: StoreSpec, parts: dict) -> list[dict]:
+    """What one read or write of ``spec``'s store stages at most: a whole slice, or for the master and
+    state of a group updated in parts, each part (its compute copy is still read whole)."""
+    if spec.group not in parts or spec.kind not in ("master", "opt"):
+        return [spec.like]
+    return [{k: spec.like[k] for k in part.keys(spec.kind)} for part in parts[spec.group]]
+
+
+def largest_staged(specs: list[StoreSpec], parts: dict) -> int:
+    """The host buffer bytes the largest read or write of the nvme stores stages."""
+    return max((staging_bytes(like) for s in specs if s.tier == "nvme" and s.like for like in staged(s, parts)),
+               default=0)
 
 
 def _nbytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def preflight(config: Config, specs: list[StoreSpec]) -> None:
+def preflight(config: Config, specs: list[StoreSpec], parts: dict | None = None) -> None:
     """Before anything is written: the path is writable, can hold the state, and one slice fits the buffers."""
     on_nvme = [s.like for s in specs if s.tier == "nvme" and s.like]
     if not on_nvme:
         return
-    layer = max(staging_bytes(like) for like in on_nvme)
+    layer = largest_staged(specs, parts or {})
     if layer > config.host_buffer_bytes:
         raise BufferBudgetError(
             f"host_buffer_bytes={config.host_buffer_bytes} cannot hold one layer: the largest layer needs "
@@ -191,9 +224,10 @@ def preflight(config: Config, specs: list[StoreSpec]) -> None:
     check_free_space(config.nvme_path, sum(_nbytes(like) for like in on_nvme))
 
 
-def build_stores(config: Config, specs: list[StoreSpec], acts: dict[int, StoreSpec]) -> EngineStores:
+def build_stores(config: Config, specs: list[StoreSpec], acts: dict[int, StoreSpec],
+                 parts: dict | None = None) -> EngineStores:
     """Checks the specs against the disk and the buffer budget, then opens every store (empty)."""
-    preflight(config, specs + list(acts.values()))
+    preflight(config, specs + list(acts.values()), parts)
     pool = BufferPool(config.host_buffer_bytes)
     opened: dict[str, dict[str, LayerStore]] = {}
 

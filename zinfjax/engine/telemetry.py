@@ -45,29 +45,34 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def device_read_bytes(store) -> int:
-    """Bytes one read of a layer brings to the busiest device: its own shard of every leaf.
+def device_read_bytes(store, keys=None) -> int:
+    """Bytes one read of a layer (or of its leaves ``keys``) brings to the busiest device: its own shard of each leaf.
 
     Example:
         >>> device_read_bytes(store)   # a layer of 8 MiB split over 8 devices: 1 MiB
         1048576
     """
     per_device: Counter = Counter()
-    for lay in store.layouts:
+    for lay in _layouts(store, keys):
         for shard in lay.shards:
             for d in shard.devices:
                 per_device[d] += lay.shard_nbytes
     return max(per_device.values(), default=0)
 
 
-def device_write_bytes(store) -> int:
-    """Bytes one write of a layer costs the busiest device: the shards whose first replica it holds."""
+def device_write_bytes(store, keys=None) -> int:
+    """Bytes one write of a layer (or of its leaves ``keys``) costs the busiest device: the shards whose first
+    replica it holds."""
     per_device: Counter = Counter()
-    for lay in store.layouts:
+    for lay in _layouts(store, keys):
         for shard in lay.shards:
             if shard.writer and shard.devices:
                 per_device[shard.devices[0]] += lay.shard_nbytes
     return max(per_device.values(), default=0)
+
+
+def _layouts(store, keys) -> list:
+    return store.layouts if keys is None else [store.layouts[k] for k in store.leaf_indices(keys)]
 
 
 class StepTelemetry:
@@ -87,25 +92,25 @@ class StepTelemetry:
         self.stall_s = 0.0
         self.events: list[ReadEvent] = []
         self.per_device: dict[str, int] = defaultdict(int)
-        self._layer_bytes: dict[tuple[int, str], int] = {}
+        self._layer_bytes: dict[tuple, int] = {}
 
     def add_reads(self, reads: ReadAhead) -> None:
         self.stall_s += reads.stall_s
         self.events += reads.events
         for group in reads.groups:
             for r in group:
-                self.per_device[f"read_bytes_{r.store.tier}_per_device"] += self._bytes(r.store, "read")
+                self.per_device[f"read_bytes_{r.store.tier}_per_device"] += self._bytes(r.store, "read", r.keys)
         if self.tracer is not None:
             self.tracer.reads(reads.events)
 
-    def add_write(self, store) -> None:
-        """Counts one layer written to ``store`` by the step."""
-        self.per_device[f"write_bytes_{store.tier}_per_device"] += self._bytes(store, "write")
+    def add_write(self, store, keys=None) -> None:
+        """Counts one layer (or its leaves ``keys``) written to ``store`` by the step."""
+        self.per_device[f"write_bytes_{store.tier}_per_device"] += self._bytes(store, "write", keys)
 
-    def _bytes(self, store, op: str) -> int:
-        key = (id(store), op)
+    def _bytes(self, store, op: str, keys=None) -> int:
+        key = (id(store), op, keys)
         if key not in self._layer_bytes:
-            self._layer_bytes[key] = (device_read_bytes if op == "read" else device_write_bytes)(store)
+            self._layer_bytes[key] = (device_read_bytes if op == "read" else device_write_bytes)(store, keys)
         return self._layer_bytes[key]
 
     def bytes_by_tier(self) -> dict[str, int]:

@@ -68,17 +68,23 @@ class Units:
 
     # ---- functions -----------------------------------------------------------------------------
 
-    @functools.cache  # noqa: B019 - compiled once per (group, sweep, size, donate) for the life of the units
-    def update(self, group: str, sweep: int, size: int | None, donate: tuple[int, ...] = ()):
+    def paths(self, group: str, part: tuple[int, ...] | None = None) -> tuple[list[str], list[str]]:
+        """The parameter and state paths of ``group``'s leaves ``part`` (all when None), in store order."""
+        paths = [leaf.path for leaf in self.program.leaves_of(group) if part is None or leaf.index in part]
+        return paths, [s.path for s in self.plan.part_state(group, part)]
+
+    @functools.cache  # noqa: B019 - compiled once per (group, sweep, size, donate, part) for the life of the units
+    def update(self, group: str, sweep: int, size: int | None, donate: tuple[int, ...] = (),
+               part: tuple[int, ...] | None = None):
         """A jitted ``f(master, grads, state, globals, totals, start, grad_div) -> (partials, compute, master, state)``.
 
-        Inputs and outputs are lists in store layout (group leaf order; the group's state leaves).
-        ``grad_div`` divides the gradients first (the fp16 loss scale, else 1). ``donate``: the
-        arguments whose buffers the outputs may take over (the caller holds no other reference).
+        Inputs and outputs are lists in store layout (group leaf order; the group's state leaves),
+        of the leaves ``part`` only when given. ``grad_div`` divides the gradients first (the fp16
+        loss scale, else 1). ``donate``: the arguments whose buffers the outputs may take over (the
+        caller holds no other reference).
         """
-        unit = self.plan.unit(group, sweep, size)
-        paths = [leaf.path for leaf in self.program.leaves_of(group)]
-        state_paths = [s.path for s in self.plan.state_of(group)]
+        unit = self.plan.unit(group, sweep, size, part)
+        paths, state_paths = self.paths(group, part)
 
         def f(master, grads, state, globals_, totals, start, grad_div):
             master = [self.to_unit(group, x.astype(jnp.float32), size) for x in master]
@@ -94,11 +100,11 @@ class Units:
         return jax.jit(f, donate_argnums=donate)
 
     @functools.cache  # noqa: B019
-    def init(self, group: str, size: int | None):
-        """A jitted ``f(params, start) -> (compute, master, state)``: a unit's initial state from its parameters."""
-        init = self.plan.init_unit(group, size)
-        paths = [leaf.path for leaf in self.program.leaves_of(group)]
-        state_paths = [s.path for s in self.plan.state_of(group)]
+    def init(self, group: str, size: int | None, part: tuple[int, ...] | None = None):
+        """A jitted ``f(params, start) -> (compute, master, state)``: a unit's initial state from its parameters
+        (those of the leaves ``part`` only, when given)."""
+        init = self.plan.init_unit(group, size, part)
+        paths, state_paths = self.paths(group, part)
 
         def f(params, start):
             master = [x.astype(jnp.float32) for x in params]

@@ -179,20 +179,52 @@ class UpdatePlan:
         """Cross outputs combined before ``sweep`` starts."""
         return [c.eqn.outvars[0] for c in self.crosses if c.phase < sweep]
 
-    @functools.cache  # noqa: B019 - one compiled function per (group, sweep, slice size), for the plan's life
-    def unit(self, group: str, sweep: int, size: int | None = None):
+    def part_state(self, group: str, part: tuple[int, ...] | None) -> list[StateLeaf]:
+        """The state leaves of ``group`` that belong to the parameter leaves ``part`` (all when None)."""
+        return [s for s in self.state_of(group) if part is None or s.param in part]
+
+    @functools.cache  # noqa: B019 - computed once per group
+    def separable(self, group: str) -> bool:
+        """Whether each leaf of ``group`` is updated (and initialised) from its own parameter, gradient and
+        state alone, with the global state: then a part of the group's leaves can be updated without the rest.
+
+        Example:
+            >>> UpdatePlan(optax.adamw(1e-3), program).separable("s:blocks")
+            True
+        """
+        if self.sweeps != 1 or self.crosses_of(group, 0):
+            return False
+        inputs = set(self.u_params) | set(self.u_grads) | {self.u_state[s.index] for s in self.state if s.group}
+        i_inputs = set(self.i_closed.jaxpr.invars)
+        for k in self.program.groups[group].leaves:
+            state = self.part_state(group, (k,))
+            own = {self.u_params[k], self.u_grads[k], *(self.u_state[s.index] for s in state)}
+            outs = [self.u_new_params[k]] + [self.u_new_state[s.index] for s in state]
+            if _reads(_needed(self.u_closed.jaxpr.eqns, outs, set()), outs) & inputs - own:
+                return False
+            i_outs = [self.i_closed.jaxpr.outvars[s.index] for s in state]
+            if _reads(jx.dce(self.i_closed.jaxpr.eqns, i_outs), i_outs) & i_inputs - {self.i_closed.jaxpr.invars[k]}:
+                return False
+        return True
+
+    @functools.cache  # noqa: B019 - one compiled function per (group, sweep, slice size, part), for the plan's life
+    def unit(self, group: str, sweep: int, size: int | None = None, part: tuple[int, ...] | None = None):
         """A jitted ``f(params, grads, state, globals, totals, start) -> (partials, new_params, new_state)``.
 
         ``params``/``grads`` are the group's leaves (in group order) and ``state`` its state leaves,
         each holding the unit's window with the streamed axis kept (a layer is ``(1, ...)``);
         ``globals`` the global state leaves; ``totals`` the combined cross values of earlier sweeps;
         ``start`` where the unit's window starts. New params and state come only from the last sweep.
+        ``part`` (leaf indices of a `separable` group) restricts all of these to those leaves and their state.
         """
         jaxpr = self.u_closed.jaxpr
         g = self.program.groups[group]
         last = sweep == self.sweeps - 1
         partial_vars = [c.eqn.outvars[0] for c in self.crosses_of(group, sweep)]
-        param_idx, state_idx = list(g.leaves), [s.index for s in self.state_of(group)]
+        if part is not None and (partial_vars or not self.separable(group)):
+            raise AssertionError(f"the update of {group} does not split by leaf")
+        param_idx = [k for k in g.leaves if part is None or k in part]
+        state_idx = [s.index for s in self.part_state(group, part)]
         outs = ([self.u_new_params[k] for k in param_idx] + [self.u_new_state[k] for k in state_idx]) if last else []
         total_vars = self.totals_before(sweep)
         eqns = _needed(jaxpr.eqns, outs + partial_vars, set(total_vars))
@@ -230,18 +262,20 @@ class UpdatePlan:
         return jax.jit(f)
 
     @functools.cache  # noqa: B019
-    def init_unit(self, group: str, size: int | None = None):
-        """A jitted ``f(params, start) -> state``: the unit's share of ``tx.init`` (streamed axis kept)."""
+    def init_unit(self, group: str, size: int | None = None, part: tuple[int, ...] | None = None):
+        """A jitted ``f(params, start) -> state``: the unit's share of ``tx.init`` (streamed axis kept);
+        ``part`` as for `unit`."""
         jaxpr = self.i_closed.jaxpr
         g = self.program.groups[group]
-        state_idx = [s.index for s in self.state_of(group)]
+        param_idx = [k for k in g.leaves if part is None or k in part]
+        state_idx = [s.index for s in self.part_state(group, part)]
         outs = [jaxpr.outvars[k] for k in state_idx]
         eqns = jx.dce(jaxpr.eqns, outs)
         full = self.window(group, 0).full if g.streamed else None
 
         def f(params, start):
             env = dict(zip(jaxpr.constvars, self.i_closed.consts, strict=True))
-            env.update({jaxpr.invars[k]: x for k, x in zip(g.leaves, params, strict=True)})
+            env.update({jaxpr.invars[k]: x for k, x in zip(param_idx, params, strict=True)})
             window = _DynamicWindow(start, size, full) if full is not None else None
             ev = SlicedEvaluator(self.i_info, window, {}, 0, group)
             env = ev.run(eqns, env)
@@ -302,6 +336,12 @@ def _needed(eqns, outs, given: set) -> list:
             reads = eqn.invars
         live.update(a for a in reads if jx.is_var(a))
     return kept[::-1]
+
+
+def _reads(eqns, outs) -> set:
+    """The variables computing ``outs`` with ``eqns`` reads from outside them (``outs`` themselves included)."""
+    defined = {v for e in eqns for v in e.outvars if jx.is_var(v)}
+    return set(jx.free_vars(eqns)) | {v for v in outs if jx.is_var(v) and v not in defined}
 
 
 def _owner_index(path: str, param_paths: list[str]) -> int | None:

@@ -2,8 +2,12 @@
 
 A `LayerStore` holds a pytree of stacked leaves `(L, ...)` and moves one layer at a time.
 `write(i, tree)` and `read(i)` return futures. The base class keeps the one invariant all tiers
-share: a read of layer `i` sees the last write of layer `i`, even while that write is in flight,
-and two writes of one layer land in the order they were issued.
+share: a read of layer `i` sees the last write of each of its leaves, even while that write is in
+flight, and two writes of one leaf of a layer land in the order they were issued.
+
+A store whose tree is a flat dict also moves part of a layer: ``read(i, keys)`` and
+``write(i, part, keys)`` take the dict keys of some leaves (the engine updates a large layer a
+few leaves at a time, so no more than those leaves' state is in memory at once).
 """
 
 from __future__ import annotations
@@ -50,9 +54,11 @@ def done_future(value) -> Future:
 class LayerStore:
     """Base class of the device, host and nvme tiers.
 
-    Subclasses implement `_start_write(i, leaves, after)` and `_start_read(i, after)`, which
-    return futures, and may override `flush` and `close`. `after` is the future of the last write
-    of layer `i` (or None); the subclass must not touch layer `i` before it completes.
+    Subclasses implement `_start_write(i, leaves, after, ks)` and `_start_read(i, after, ks)`,
+    which return futures, and may override `flush` and `close`. `ks` are the indices of the leaves
+    moved (every leaf, or a part), `after` the futures of the last writes of those leaves of layer
+    `i` (the order is kept per leaf, so a part is not held up by a write of another part); the
+    subclass must not touch those leaves of layer `i` before they complete.
 
     Attributes:
         tier: "device", "host" or "nvme".
@@ -67,9 +73,12 @@ class LayerStore:
         self.like = like
         self.layouts = layouts
         self._treedef = jax.tree_util.tree_structure(like)
+        self._all = list(range(len(layouts)))
+        flat = isinstance(like, dict) and all(isinstance(x, jax.ShapeDtypeStruct) for x in like.values())
+        self._keys = sorted(like) if flat else None  # a flat dict's keys, in leaf order
         self.stats = StoreStats()
         self._lock = threading.Lock()
-        self._last_write: dict[int, Future] = {}
+        self._last_write: dict[tuple[int, int], Future] = {}  # (layer, leaf) -> its last write
         self._writes: set[Future] = set()
         self._errors: list[BaseException] = []
         self._closed = False
@@ -84,43 +93,53 @@ class LayerStore:
         """Bytes of one whole layer (all leaves, all shards)."""
         return sum(lay.layer_nbytes for lay in self.layouts)
 
-    def write(self, i: int, layer_tree) -> Future:
+    def part_nbytes(self, keys=None) -> int:
+        """Bytes of the leaves ``keys`` of one layer (all shards); every leaf when None."""
+        return sum(self.layouts[k].layer_nbytes for k in self.leaf_indices(keys))
+
+    def write(self, i: int, layer_tree, keys=None) -> Future:
         """Starts writing layer `i`; returns a future that completes (with None) once it is stored.
 
         Args:
             i: the layer index.
             layer_tree: a tree like `like` with axis 0 removed; leaves are jax.Arrays or numpy
                 arrays. jax arrays are immutable; numpy arrays must not be changed until the future
-                completes.
+                completes. With ``keys``, a dict of just those leaves.
+            keys: the dict keys of the leaves written (a part of the layer); None writes them all.
 
         Example:
             >>> store.write(3, layer).result()  # doctest: +SKIP
+            >>> store.write(3, {"w": w}, keys=["w"]).result()  # doctest: +SKIP
         """
         self._check_open()
         i = self._check_layer(i)
-        leaves = self._flatten_layer(layer_tree)
+        ks = self.leaf_indices(keys)
+        leaves = self._flatten_layer(layer_tree, ks, keys)
         with self._lock:
-            fut = self._start_write(i, leaves, self._last_write.get(i))
-            self._last_write[i] = fut
+            fut = self._start_write(i, leaves, self._after(i, ks), ks)
+            self._last_write.update(dict.fromkeys(((i, k) for k in ks), fut))
             self._writes.add(fut)
-        fut.add_done_callback(lambda f, i=i: self._write_done(i, f))
+        fut.add_done_callback(lambda f, i=i, ks=ks: self._write_done(i, ks, f))
         return fut
 
-    def read(self, i: int) -> Future:
+    def read(self, i: int, keys=None) -> Future:
         """Starts reading layer `i`; the future's result is the layer tree, on device.
 
         Its leaves are jax.Arrays in device memory with the per-layer sharding, whatever the tier.
+        With ``keys`` (dict keys of some leaves), the result is a dict of just those leaves.
 
         Example:
             >>> layer = store.read(3).result()  # doctest: +SKIP
+            >>> store.read(3, keys=["w"]).result()["w"]  # doctest: +SKIP
         """
         self._check_open()
         i = self._check_layer(i)
+        ks = self.leaf_indices(keys)
         with self._lock:
-            after = self._last_write.get(i)
+            after = self._after(i, ks)
             self.stats.reads_in_flight += 1
             self.stats.peak_reads_in_flight = max(self.stats.peak_reads_in_flight, self.stats.reads_in_flight)
-        fut = self._start_read(i, after)
+        fut = self._start_read(i, after, ks)
         fut.add_done_callback(self._read_done)
         return fut
 
@@ -173,23 +192,41 @@ class LayerStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _start_write(self, i: int, leaves: list, after: Future | None) -> Future:
+    def _start_write(self, i: int, leaves: list, after: list[Future], ks: list[int]) -> Future:
         raise NotImplementedError
 
-    def _start_read(self, i: int, after: Future | None) -> Future:
+    def _start_read(self, i: int, after: list[Future], ks: list[int]) -> Future:
         raise NotImplementedError
+
+    def _after(self, i: int, ks: list[int]) -> list[Future]:
+        """The writes in flight that the leaves ``ks`` of layer ``i`` must wait for (call under the lock)."""
+        return list({id(f): f for k in ks if (f := self._last_write.get((i, k))) is not None}.values())
 
     def _release(self) -> None:
         """Frees tier resources after the final flush."""
 
-    def _unflatten(self, leaves: list):
-        return self._treedef.unflatten(leaves)
+    def _unflatten(self, leaves: list, ks: list[int] | None = None):
+        if ks is None or ks == self._all:
+            return self._treedef.unflatten(leaves)
+        return {self._keys[k]: x for k, x in zip(ks, leaves, strict=True)}
 
-    def _write_done(self, i: int, fut: Future) -> None:
+    def leaf_indices(self, keys) -> list[int]:
+        """The leaf indices of ``keys`` in leaf order (every leaf for None)."""
+        if keys is None:
+            return self._all
+        if self._keys is None:
+            raise StoreError("only a store whose tree is a flat dict moves part of a layer")
+        unknown = set(keys) - set(self._keys)
+        if unknown or not keys:
+            raise StoreError(f"keys {sorted(unknown) or '[]'} name no leaf of this store; it holds {self._keys}")
+        return sorted(self._keys.index(key) for key in set(keys))
+
+    def _write_done(self, i: int, ks: list[int], fut: Future) -> None:
         with self._lock:
             self._writes.discard(fut)
-            if self._last_write.get(i) is fut and fut.exception() is None:
-                del self._last_write[i]
+            for k in ks:
+                if self._last_write.get((i, k)) is fut and fut.exception() is None:
+                    del self._last_write[(i, k)]
             if fut.exception() is not None:
                 self._errors.append(fut.exception())
             else:
@@ -201,12 +238,19 @@ class LayerStore:
             if fut.exception() is None:
                 self.stats.reads += 1
 
-    def _flatten_layer(self, layer_tree) -> list:
-        try:
-            leaves = self._treedef.flatten_up_to(layer_tree)
-        except (ValueError, TypeError) as e:
-            raise StoreError(f"the layer tree does not match the store's tree: {e}") from e
-        for lay, x in zip(self.layouts, leaves, strict=True):
+    def _flatten_layer(self, layer_tree, ks: list[int], keys=None) -> list:
+        if keys is None:
+            try:
+                leaves = self._treedef.flatten_up_to(layer_tree)
+            except (ValueError, TypeError) as e:
+                raise StoreError(f"the layer tree does not match the store's tree: {e}") from e
+        else:
+            names = [self._keys[k] for k in ks]
+            if not isinstance(layer_tree, dict) or sorted(layer_tree) != names:
+                got = sorted(layer_tree) if isinstance(layer_tree, dict) else type(layer_tree).__name__
+                raise StoreError(f"a part written as keys {names} holds {got}")
+            leaves = [layer_tree[name] for name in names]
+        for lay, x in zip([self.layouts[k] for k in ks], leaves, strict=True):
             if tuple(np.shape(x)) != lay.layer_shape or np.dtype(x.dtype) != lay.dtype:
                 raise StoreError(
                     f"leaf {lay.name!r}: got {np.dtype(x.dtype).name}{list(np.shape(x))}, the store holds "
@@ -235,13 +279,12 @@ def _stack_bits(xs: list) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def wait_after(i: int, after: Future | None) -> None:
-    """Blocks until the previous write of layer `i` is done; re-raises its failure as a StoreError.
+def wait_after(i: int, after: list[Future]) -> None:
+    """Blocks until the previous writes of layer `i` are done; re-raises a failure as a StoreError.
 
     A read must not return older data than a write that failed, so the failure propagates.
     """
-    if after is None:
-        return
-    error = after.exception()
-    if error is not None:
-        raise StoreError(f"layer {i}: its last write failed, so it cannot be read: {error}") from error
+    for fut in after:
+        error = fut.exception()
+        if error is not None:
+            raise StoreError(f"layer {i}: its last write failed, so it cannot be read: {error}") from error

@@ -32,26 +32,29 @@ class MemoryStore(LayerStore):
         self._held = [with_memory_kind(lay.sharding, memory_kind) for lay in layouts]
         self._layers: list[list | None] = [None] * self.num_layers
 
-    def _start_write(self, i: int, leaves: list, after: Future | None) -> Future:
-        self._layers[i] = [self._place(x, s) for x, s in zip(leaves, self._held, strict=True)]
-        self.stats.bytes_written += self.layer_nbytes
+    def _start_write(self, i: int, leaves: list, after: list[Future], ks: list[int]) -> Future:
+        held = list(self._layers[i] or [None] * len(self.layouts))  # a new list: snapshots keep the old one
+        for k, x in zip(ks, leaves, strict=True):
+            held[k] = self._place(x, self._held[k])
+        self._layers[i] = held
+        self.stats.bytes_written += sum(self.layouts[k].layer_nbytes for k in ks)
         return done_future(None)
 
-    def _start_read(self, i: int, after: Future | None) -> Future:
+    def _start_read(self, i: int, after: list[Future], ks: list[int]) -> Future:
         try:
             wait_after(i, after)
             held = self._layers[i]
-            if held is None:
+            if held is None or any(held[k] is None for k in ks):
                 raise LayerNotWrittenError(
                     f"layer {i} of the {self.tier} store was read before it was written"
                 )
-            out = [jax.device_put(x, lay.sharding) for x, lay in zip(held, self.layouts, strict=True)]
+            out = [jax.device_put(held[k], self.layouts[k].sharding) for k in ks]
         except Exception as e:  # noqa: BLE001 - every failure belongs in the future
             fut: Future = Future()
             fut.set_exception(e)
             return fut
-        self.stats.bytes_read += self.layer_nbytes
-        return done_future(self._unflatten(out))
+        self.stats.bytes_read += sum(self.layouts[k].layer_nbytes for k in ks)
+        return done_future(self._unflatten(out, ks))
 
     def snapshot(self) -> list[list]:
         """Every layer's arrays as they are now. They are immutable, so a later write does not change them.

@@ -185,27 +185,28 @@ class NvmeStore(LayerStore):
                 "use a fresh nvme_path or delete it"
             ) from e
 
-    def _write_nbytes(self, extra: int = 0) -> int:
-        return sum(lay.shard_nbytes + extra for lay in self.layouts for s in lay.shards if s.writer)
+    def _write_nbytes(self, extra: int = 0, ks: list[int] | None = None) -> int:
+        layouts = self.layouts if ks is None else [self.layouts[k] for k in ks]
+        return sum(lay.shard_nbytes + extra for lay in layouts for s in lay.shards if s.writer)
 
     def _read_nbytes(self) -> int:
         return sum(
             chunkfile.slot_bytes(lay.shard_nbytes) for lay in self.layouts for s in lay.shards if s.devices
         )
 
-    def _start_write(self, i: int, leaves: list, after: Future | None) -> Future:
-        return self._writers.submit(self._write_layer, i, leaves, after)
+    def _start_write(self, i: int, leaves: list, after: list[Future], ks: list[int]) -> Future:
+        return self._writers.submit(self._write_layer, i, leaves, after, ks)
 
-    def _start_read(self, i: int, after: Future | None) -> Future:
-        return self._readers.submit(self._read_layer, i, after)
+    def _start_read(self, i: int, after: list[Future], ks: list[int]) -> Future:
+        return self._readers.submit(self._read_layer, i, after, ks)
 
-    def _write_layer(self, i: int, leaves: list, after: Future | None) -> None:
-        if after is not None:
-            after.exception()  # only the order matters: this write replaces that one either way
-        plan = [(k, s) for k, lay in enumerate(self.layouts) for s in lay.shards if s.writer]
+    def _write_layer(self, i: int, leaves: list, after: list[Future], ks: list[int]) -> None:
+        for fut in after:
+            fut.exception()  # only the order matters: this write replaces that one either way
+        plan = [(k, s) for k in ks for s in self.layouts[k].shards if s.writer]
         buf = self.pool.acquire(sum(self._slot(k) for k, _ in plan))
         try:
-            host = [_on_layer_sharding(x, lay) for x, lay in zip(leaves, self.layouts, strict=True)]
+            host = {k: _on_layer_sharding(x, self.layouts[k]) for k, x in zip(ks, leaves, strict=True)}
             slots = self._slots(plan, buf)
             for (k, shard), (_, view) in zip(plan, slots, strict=True):
                 np.copyto(view, _host_shard(host[k], shard))
@@ -218,7 +219,7 @@ class NvmeStore(LayerStore):
                 self._write_tensorstore(i, plan, slots)
         finally:
             buf.release()
-        self._count("bytes_written", self._write_nbytes())
+        self._count("bytes_written", self._write_nbytes(ks=ks))
 
     def _write_direct(self, i: int, plan: list, slots: list) -> None:
         chunks = [
@@ -237,33 +238,33 @@ class NvmeStore(LayerStore):
         for k, fut in pending:
             self._wait(fut, i, self.layouts[k], writing=True)
 
-    def _read_layer(self, i: int, after: Future | None):
+    def _read_layer(self, i: int, after: list[Future], ks: list[int]):
         wait_after(i, after)
-        plan = [(k, s) for k, lay in enumerate(self.layouts) for s in lay.shards if s.devices]
+        plan = [(k, s) for k in ks for s in self.layouts[k].shards if s.devices]
         if self.chunk_io == "direct" and all(d.platform == "cpu" for _, s in plan for d in s.devices):
-            out = self._read_in_place(i, plan)
+            out = self._read_in_place(i, plan, ks)
         else:
-            out = self._read_staged(i, plan)
+            out = self._read_staged(i, plan, ks)
         self._count("bytes_read", sum(lay.shard_nbytes for k, s in plan for lay in [self.layouts[k]]))
-        return self._unflatten(out)
+        return self._unflatten(out, ks)
 
-    def _read_staged(self, i: int, plan: list) -> list:
-        buf = self.pool.acquire(self._read_nbytes())
+    def _read_staged(self, i: int, plan: list, ks: list[int]) -> list:
+        buf = self.pool.acquire(sum(self._slot(k) for k, _ in plan))
         try:
             slots = self._slots(plan, buf)
             if self.chunk_io == "direct":
                 self._read_direct(i, plan, slots)
             else:
                 self._read_tensorstore(i, plan, slots)
-            return self._to_device(plan, [view for _, view in slots], buf)
+            return self._to_device(plan, [view for _, view in slots], buf, ks)
         finally:
             buf.release()
 
-    def _read_in_place(self, i: int, plan: list) -> list:
+    def _read_in_place(self, i: int, plan: list, ks: list[int]) -> list:
         """CPU backend: every chunk read into its own aligned array, which its device array then owns."""
         slots = [aligned_empty((self._slot(k),), np.uint8, chunkfile.BLOCK) for k, _ in plan]
         self._read_direct(i, plan, [(slot, None) for slot in slots])
-        per_leaf: list[list] = [[] for _ in self.layouts]
+        per_leaf: dict[int, list] = {k: [] for k in ks}
         for slot, (k, shard) in zip(slots, plan, strict=True):
             lay = self.layouts[k]
             view = slot[: lay.shard_nbytes].view(lay.dtype).reshape(lay.shard_shape)
@@ -271,8 +272,8 @@ class NvmeStore(LayerStore):
             per_leaf[k].append(jax.device_put(view, first))
             per_leaf[k].extend(_device_put(view, d) for d in others)  # a copy each: devices never alias
         return [
-            jax.make_array_from_single_device_arrays(lay.layer_shape, lay.sharding, xs)
-            for lay, xs in zip(self.layouts, per_leaf, strict=True)
+            jax.make_array_from_single_device_arrays(self.layouts[k].layer_shape, self.layouts[k].sharding, xs)
+            for k, xs in per_leaf.items()
         ]
 
     def _read_direct(self, i: int, plan: list, slots: list) -> None:
@@ -318,14 +319,14 @@ class NvmeStore(LayerStore):
             offset += self._slot(k)
         return slots
 
-    def _to_device(self, plan: list, views: list, buf: HostBuffer) -> list:
-        per_leaf: list[list] = [[] for _ in self.layouts]
+    def _to_device(self, plan: list, views: list, buf: HostBuffer, ks: list[int]) -> list:
+        per_leaf: dict[int, list] = {k: [] for k in ks}
         for view, (k, shard) in zip(views, plan, strict=True):
             per_leaf[k].extend(_device_put(view, d) for d in shard.devices)
-        per_leaf = [[_detach(x, buf) for x in xs] for xs in per_leaf]
         return [
-            jax.make_array_from_single_device_arrays(lay.layer_shape, lay.sharding, xs)
-            for lay, xs in zip(self.layouts, per_leaf, strict=True)
+            jax.make_array_from_single_device_arrays(self.layouts[k].layer_shape, self.layouts[k].sharding,
+                                                     [_detach(x, buf) for x in xs])
+            for k, xs in per_leaf.items()
         ]
 
     def _wait(self, fut, i: int, lay: LeafLayout, *, writing: bool) -> None:
