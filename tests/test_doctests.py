@@ -12,7 +12,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODULES = ["zinfjax.byte_sizes", "zinfjax.vocabulary", "zinfjax.mappings", "zinfjax.program.jaxpr",
-           "zinfjax.models.configs", "zinfjax.engine.budget"]
+           "zinfjax.models.configs", "zinfjax.engine.budget", "zinfjax.engine.parts"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -18,7 +18,7 @@ from zinfjax import Config, models, rss
 from zinfjax.deepspeed_config import from_deepspeed
 from zinfjax.engine.budget import minimum_bytes
 from zinfjax.engine.engine import store_specs
-from zinfjax.engine.parts import Part, update_parts
+from zinfjax.engine.parts import update_parts
 from zinfjax.engine.store_plan import budget_needs, leaf_slice_bytes
 from zinfjax.errors import ConfigError
 from zinfjax.models import ModelConfig
@@ -103,9 +103,7 @@ def test_a_part_reads_no_more_than_the_backward_or_the_largest_leaf(tmp_path):
     def reads(p):
         return sum(leaf_slice_bytes(by_kind[kind], key) for kind in ("master", "opt") for key in p.keys(kind))
 
-    largest_leaf = max(reads(parts_of_one) for parts_of_one in
-                       [Part((k,), (program.leaves[k].path,), tuple(s.path for s in plan.part_state("s:blocks", (k,))))
-                        for k in program.groups["s:blocks"].leaves])
+    largest_leaf = max(reads(p) for p in update_parts(program, plan, specs, False, sub_group_size=1)["s:blocks"])
     limit = max(sum(leaf_slice_bytes(by_kind["params"], p) for p in by_kind["params"].like), largest_leaf)
     assert all(reads(p) <= limit for p in cut), [(p.params, reads(p)) for p in cut]
     acts = []

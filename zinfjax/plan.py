@@ -54,6 +54,7 @@ from zinfjax import rss
 from zinfjax.byte_sizes import format_bytes
 from zinfjax.config import Config
 from zinfjax.engine.budget import COMPILE_RESERVE, LIVE_BASE, default_limit, minimum_bytes
+from zinfjax.engine.store_plan import StoreSpec, budget_needs
 from zinfjax.errors import UserError
 from zinfjax.vocabulary import TIER_KEYS, TIERS
 
@@ -343,8 +344,6 @@ def uses_reference(config: Config, tiers: dict[str, str]) -> bool:
 def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dict, cut: dict | None = None) -> dict:
     """What ``tiers`` needs of host memory, device memory and disk, and what is short of each
     (``cut``: the groups the engine updates in parts)."""
-    from zinfjax.engine.store_plan import StoreSpec, budget_needs
-
     cpu = machine["platform"] == "cpu"
     held = {"device": 0, "host": 0, "nvme": 0}
     device_held = 0

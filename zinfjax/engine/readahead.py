@@ -8,8 +8,8 @@ reads one operation's compute needs (a layer's parameters and activation checkpo
 optimizer state or a part of it). `ReadAhead` keeps the next ``depth`` groups in flight while
 the consumer works on the current one: counted in groups, not bytes, so that at most ``depth``
 layers' parameters wait on the device ahead of compute (a forward layer reads a fraction of a
-backward one's bytes). A read may carry a readiness test (an activation checkpoint must be written before it is
-read back); issuing stops at the first group that is not ready.
+backward one's bytes). A read may carry a readiness test (an activation checkpoint must be
+written before it is read back); issuing stops at the first group that is not ready.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def acts_spec(config: Config, scan, placement, grad_accum: int) -> StoreSpec:
 
 def slice_bytes(spec: StoreSpec) -> int:
     """Bytes of one slice of a store (every leaf, every shard)."""
-    return sum(int(np.prod(x.shape[1:])) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(spec.like))
+    return sum(leaf_slice_bytes(spec, path) for path in spec.like)
 
 
 def leaf_slice_bytes(spec: StoreSpec, path: str) -> int:
