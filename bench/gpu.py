@@ -6,6 +6,9 @@ Three placements, each a fresh ``zinfjax train`` process (the user's path) with 
 - ``nvme_optimizer``: parameters on the host, optimizer state on NVMe;
 - ``device``: everything on the device (the reference; it may not fit, and then says so).
 
+The optimizer update runs where ``--update-on`` says (default ``auto``: on the host CPU for the two
+offloaded placements on a GPU, so only gradients go down and compute copies come up).
+
 For each: the median step over the steps after the first two, tokens/s, MFU (6 x parameters x
 tokens per step over the step time and the device's peak bf16 FLOP/s), the device's peak memory
 (``memory_stats``), the bytes over the host link per step (``host_link_bytes``) and the NVMe I/O
@@ -82,7 +85,8 @@ def train(args, name: str, tiers: dict) -> dict:
     log = os.path.join(args.dir, f"{name}.json")
     sets = {"model": args.model, "precision": "bf16", "batch_size": args.batch_size, "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "steps": args.steps, "nvme_path": os.path.join(args.dir, "nvme", name),
-            "log": log, "mesh": "data:1", **tiers}
+            "log": log, "mesh": "data:1", **tiers,
+            "update_on": args.update_on if tiers["optimizer"] != "device" else "auto"}  # the state is where it runs
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = args.platform
     cmd = [sys.executable, "-m", "zinfjax.cli", "train", "--quiet", *[a for k, v in sets.items()
@@ -92,7 +96,8 @@ def train(args, name: str, tiers: dict) -> dict:
     if out.returncode != 0:
         return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]}
     with open(log) as f:
-        logged = json.load(f)["steps"]
+        record = json.load(f)
+    logged = record["steps"]
     steps = logged[SKIP:] or logged[-1:]
     median = lambda key: statistics.median(s.get(key, 0) for s in steps)  # noqa: E731
     tokens_per_s = median("tokens_per_s")  # every trainer logs it (the in-memory one has no step_s)
@@ -102,7 +107,8 @@ def train(args, name: str, tiers: dict) -> dict:
             "nvme_bytes": median("read_bytes_nvme") + median("write_bytes_nvme"),
             "read_bytes_nvme": median("read_bytes_nvme"), "write_bytes_nvme": median("write_bytes_nvme"),
             "stall_s": median("stall_s"), "peak_rss_GB": max(s["peak_rss_bytes"] for s in steps) / 1e9,
-            "losses": [round(s["loss"], 4) for s in steps], "command": " ".join(cmd[2:])}
+            "losses": [round(s["loss"], 4) for s in steps], "update_on": record.get("update_on", "device"),
+            "host_memory_kind": record.get("host_memory_kind"), "command": " ".join(cmd[2:])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, when its kind is not known")
     p.add_argument("--dir", default="runs/gpu", help="a directory on the NVMe disk")
     p.add_argument("--only", choices=sorted(PLACEMENTS), action="append")
+    p.add_argument("--update-on", default="auto", choices=["auto", "device", "host"],
+                   help="where the optimizer update runs (auto: on the host CPU when the state is off the GPU)")
     args = p.parse_args(argv)
     try:
         devices = check_platform(args.platform)

@@ -38,10 +38,10 @@ def hold(root: str):
 def held_at(write, root: str):
     """``write``, which holds at the update of block 1 (the backward pass runs from the last block)."""
 
-    def wrapped(track, store, i, tree, keys=None):
+    def wrapped(track, store, i, tree, *args, **kwargs):
         if (track, i) == ("params_blocks", 1):
             hold(root)()
-        return write(track, store, i, tree, keys)
+        return write(track, store, i, tree, *args, **kwargs)
 
     return wrapped
 

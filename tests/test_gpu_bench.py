@@ -35,3 +35,16 @@ def test_the_cpu_dry_run_reports_every_placement(tmp_path):
     assert runs["device"]["host_link_bytes"] == 0 and runs["device"]["over_device_step"] == 1.0
     assert runs["host"]["mfu"] is None  # the CPU has no known bf16 peak
     assert all(r["step_s"] > 0 for r in runs.values())
+
+
+def test_the_dry_run_with_the_update_on_the_host_moves_gradients_and_parameters_only(tmp_path):
+    """params on host: the forward and backward read the bf16 parameters (2 + 2 B), the gradient goes down (2 B);
+    the master, m and v never cross, against at least 24 B with the update on the device."""
+    out = run("--platform", "cpu", "--model", "gpt2-tiny", "--batch-size", "2", "--seq-len", "16", "--grad-accum",
+              "1", "--steps", "3", "--only", "host", "--only", "device", "--update-on", "host", tmp_path=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = json.loads(out.stdout)["runs"]
+    host = runs["host"]
+    assert runs["device"]["update_on"] == "device"  # the state on the device is updated there
+    assert host["update_on"] == "host" and host["host_memory_kind"] == "pinned_host"
+    assert 6 <= host["host_link_bytes_per_param"] < 7

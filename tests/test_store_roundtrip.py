@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zinfjax.store import BufferPool, StoreError, layer_sharding, open_store, stacked_sharding
+from zinfjax.store.pool import staging_pinned
 
 DTYPES = ["float32", "float16", "bfloat16", "int8", "uint8", "int16", "uint16", "int32", "uint32", "bool"]
 L = 3
@@ -145,3 +146,32 @@ def test_stats_count_bytes_and_operations(tmp_path):
         store.read(0).result()
         assert (store.stats.writes, store.stats.reads) == (L, 1)
         assert (store.stats.bytes_written, store.stats.bytes_read) == (L * 16, 16)
+
+
+@pytest.mark.parametrize("chunk_io", ["direct", "tensorstore"])
+@pytest.mark.parametrize("kind", ["device", "pinned_host"])
+def test_nvme_stages_in_pinned_memory_and_reads_into_either_memory_kind(tmp_path, chunk_io, kind):
+    """A pinned pool (what an accelerator gets) stages writes, and tensorstore's reads, in pinned_host memory."""
+    like = {"w": jax.ShapeDtypeStruct((L, 64, 48), jnp.bfloat16), "b": jax.ShapeDtypeStruct((L, 48), jnp.float32)}
+    data = {"w": _random((L, 64, 48), "bfloat16"), "b": _random((L, 48), "float32", seed=1)}
+    pool = BufferPool(8 << 20, pinned=True)
+    with open_store("nvme", like, path=str(tmp_path), pool=pool, chunk_io=chunk_io) as store:
+        for i in range(L):
+            store.write(i, {"w": jnp.asarray(data["w"][i]), "b": data["b"][i]})
+        store.flush()
+        for i in range(L):
+            got = store.read(i, None, kind).result()
+            assert {x.sharding.memory_kind for x in got.values()} == {kind}
+            for key in like:
+                np.testing.assert_array_equal(_bits(got[key]), _bits(data[key][i]))
+        buf = pool.acquire(1 << 20)
+        owner = buf._owner
+        assert owner.sharding.memory_kind == "pinned_host" and buf.address % 4096 == 0
+        assert owner.unsafe_buffer_pointer() <= buf.address < owner.unsafe_buffer_pointer() + owner.nbytes
+        buf.release()
+    assert pool.stats()["memory"] == "pinned_host" and pool.peak_bytes > 0
+
+
+def test_the_cpu_backend_stages_in_pageable_memory():
+    assert not staging_pinned(jax.devices()[0])
+    assert BufferPool(1 << 20).stats()["memory"] == "pageable"

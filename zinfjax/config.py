@@ -28,6 +28,7 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adagrad", "rmsprop", "lamb", "ada
 DECAYS = ("constant", "linear", "cosine")
 WARMUPS = ("linear", "log")
 TIER_MODES = ("manual", "auto")
+UPDATE_ON = ("auto", "device", "host")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Config:
     host_buffer_bytes: int | None = None  # None: from memory_limit
     memory_limit: int | None = None  # None: the cgroup's limit or the available memory, less a margin
     sub_group_size: int | None = None  # parameters per update part; None: parts only when memory needs them
+    update_on: str = "auto"  # where the optimizer update runs: device, host, or auto (engine.update_location)
     # numerics
     precision: str = "fp32"
     grad_clip: float = 0.0
@@ -291,6 +293,10 @@ def _validate(c: Config) -> None:
         "a tier is 'nvme' but nvme_path is not set; set nvme_path=/path/on/fast/disk",
     )
     _check(c.prefetch_depth is None or c.prefetch_depth >= 0, f"prefetch_depth={c.prefetch_depth} must be 0 or more")
+    _check(c.update_on in UPDATE_ON, f"update_on={c.update_on!r} is not allowed; use {', '.join(UPDATE_ON)}")
+    _check(c.update_on != "host" or c.optimizer != "device",
+           "update_on=host runs the update where the optimizer state is, so it needs optimizer=host or nvme "
+           "(optimizer=device)")
     for key in ("host_buffer_bytes", "memory_limit", "sub_group_size"):
         _check(getattr(c, key) is None or getattr(c, key) > 0, f"{key}={getattr(c, key)} must be positive")
     _check(c.precision in PRECISIONS, f"precision={c.precision!r} is not allowed; use {', '.join(PRECISIONS)}")
@@ -342,6 +348,9 @@ KEY_DOCS = {
     "sub_group_size": "update a layer in parts of at most this many parameters (each leaf whole), reading and "
                       "writing each part's optimizer state alone, as DeepSpeed's sub_group_size; default: one "
                       "update per layer, and parts only when memory_limit needs them",
+    "update_on": "where the optimizer update runs: device, host (the host CPU, beside the optimizer state on host "
+                 "or nvme: only gradients go down and the compute copy comes up) or auto (host when the optimizer "
+                 "state is off an accelerator, device on the CPU backend)",
     "precision": "fp32, bf16 or fp16 compute (master weights stay fp32)",
     "grad_clip": "global-norm gradient clipping threshold; 0 is off",
     "grad_accum": "micro-batches per optimizer step",

@@ -189,6 +189,11 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     if getattr(trainer, "engine", None) is not None:
         log["budget"] = dataclasses.asdict(trainer.engine.budget)
         log["update_parts"] = {g: len(p) for g, p in trainer.engine.parts.items()}  # layers updated in parts
+        log["update_on"] = trainer.engine.update_on  # where the optimizer update ran (update_on=auto decides)
+        log["host_memory_kind"] = trainer.engine.host_kind
+        log["staging_memory"] = trainer.engine.stores.pool.stats()["memory"]  # NVMe staging: pinned_host or pageable
+        if trainer.engine.host_kind_fallback:
+            log["host_memory_fallback"] = trainer.engine.host_kind_fallback
     saver = Saver(config, model.config, trainer, plan.run_id, first - 1) if config.save_dir else None
     watch = LossWatch(config.max_nonfinite_steps, config.lr)
     bar = tqdm(range(first, config.steps + 1), disable=not (progress and main), unit="step", dynamic_ncols=True,

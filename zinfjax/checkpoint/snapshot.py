@@ -5,7 +5,10 @@ into the checkpoint (a linked chunk is never overwritten in place afterwards, so
 this step's bytes), and a device or host store's arrays, which are immutable, are referenced.
 `Snapshot.write` then makes the files durable, in a background thread while training goes on:
 it fsyncs the linked chunks, copies those staged from another filesystem, and writes the
-referenced arrays out, one chunk at a time.
+referenced arrays out, one chunk at a time: last layer first, the order in which the next step's
+update replaces them, and each layer let go (`MemoryStore.saved`) as soon as it is written. A
+store waits to replace a layer until then, so a save never holds a second copy of the device or
+host state: at most the one chunk being copied to host memory.
 """
 
 from __future__ import annotations
@@ -184,16 +187,33 @@ class Snapshot:
             fsync_dir(dst)
         if self.staging:
             shutil.rmtree(self.staging, ignore_errors=True)
-        for part, layers in self.arrays:
-            for i, leaves in enumerate(layers):
-                for k, x in enumerate(leaves):
+        try:
+            self._write_arrays()
+        finally:
+            self._let_go()
+
+    def _write_arrays(self) -> None:
+        """Every referenced layer, last first; each store may replace a layer once it is written."""
+        for i in reversed(range(max((len(layers) for _, layers in self.arrays), default=0))):
+            for part, layers in self.arrays:
+                if i >= len(layers) or layers[i] is None:
+                    continue
+                for k, x in enumerate(layers[i]):
                     self._write_array(part, k, i, x)
+                layers[i] = None
+                if part.store is not None:
+                    part.store.saved(i)
+
+    def _let_go(self) -> None:
+        for part, _ in self.arrays:
+            if part.store is not None:
+                part.store.release_saves()
         self.arrays.clear()
 
     def discard(self) -> None:
         if self.staging:
             shutil.rmtree(self.staging, ignore_errors=True)
-        self.arrays.clear()
+        self._let_go()
 
     def _write_array(self, part: Part, k: int, i: int, x) -> None:
         chunk = part.leaves[k].meta["chunk_shape"]

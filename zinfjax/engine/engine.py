@@ -48,6 +48,7 @@ from zinfjax.program.optimizer import UpdatePlan, combine_partials
 from zinfjax.program.split import Program, unslice
 from zinfjax.program.stages import StageFunctions, differentiable, zero_cotangent
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
+from zinfjax.store.layout import host_memory_kind
 from zinfjax.vocabulary import COMPUTE_DTYPES
 
 
@@ -78,11 +79,29 @@ class LossScale:
 
 @functools.lru_cache(maxsize=32)
 def compiled(program: Program, tx: optax.GradientTransformation, rules: ShardingRules, mesh: Mesh, compute_dtype,
-             micro: int = 1):
+             micro: int = 1, on_host: bool = False, params_kind: str = "device", host_kind: str = "pinned_host"):
     """The placement, stage functions, update plan and unit functions of one layout (shared by its engines)."""
     placement = Placement(program, rules, mesh)
     plan = update_plan(tx, program)
-    return placement, StageFunctions(program, placement, micro), plan, Units(program, plan, compute_dtype, placement)
+    units = Units(program, plan, compute_dtype, placement, on_host, params_kind, host_kind)
+    return placement, StageFunctions(program, placement, micro), plan, units
+
+
+def update_location(config: Config, mesh: Mesh) -> str:
+    """Where the optimizer update runs: ``device`` or ``host`` (``update_on``; docs/engine.md).
+
+    ``auto`` runs it on the host when the optimizer state is on host or NVMe and the compute devices
+    are accelerators: the state then never crosses the host link. On the CPU backend host and device
+    are one memory and one processor, so ``auto`` keeps it on the device, which costs no copies.
+
+    Example:
+        >>> update_location(Config(optimizer="host", update_on="host"), mesh)  # doctest: +SKIP
+        'host'
+    """
+    if config.update_on != "auto":
+        return config.update_on
+    accelerator = mesh.devices.flat[0].platform != "cpu"
+    return "host" if accelerator and config.optimizer != "device" else "device"
 
 
 @functools.lru_cache(maxsize=32)
@@ -117,8 +136,14 @@ class Engine:
         self.program, self.config, self.mesh, self.tx = program, config, mesh, tx
         self.compute_dtype = COMPUTE_DTYPES[config.precision]
         self.rules = ShardingRules.for_mesh(mesh, config.stage, tp_rules, threshold)
-        self.placement, self.stage_fns, self.plan, self.units = compiled(program, tx, self.rules, mesh,
-                                                                        self.compute_dtype, config.grad_accum)
+        self.update_on = update_location(config, mesh)
+        self.on_host = self.update_on == "host"
+        # The host tier's memory kind: pinned_host, or the fallback a platform without it gets (recorded in the log).
+        self.host_kind, self.host_kind_fallback = host_memory_kind(mesh.devices.flat[0])
+        params_kind = self.host_kind if self.on_host and config.params != "device" else "device"
+        self.placement, self.stage_fns, self.plan, self.units = compiled(
+            program, tx, self.rules, mesh, self.compute_dtype, config.grad_accum, self.on_host, params_kind,
+            self.host_kind)
         self.loss_scale = LossScale(config.precision == "fp16")
         self.spools_gradients = self.plan.sweeps > 1 or config.precision == "fp16"
         self.micro = config.grad_accum
@@ -294,13 +319,15 @@ class Engine:
             wait_for(self._computing.popleft())
         return out
 
-    def _write(self, track: str, store, i: int, tree, keys: tuple[str, ...] | None = None) -> None:
-        """Writes slice ``i`` (or its leaves ``keys``) to ``store``, bounding the bytes in flight."""
+    def _write(self, track: str, store, i: int, tree, keys: tuple[str, ...] | None = None,
+               from_host: bool = False) -> None:
+        """Writes slice ``i`` (or its leaves ``keys``) to ``store``, bounding the bytes in flight (``from_host``:
+        the arrays are in host memory already, as the update on the host leaves them)."""
         t0 = time.perf_counter()
         future = store.write(i, tree, keys)
         nbytes = store.part_nbytes(keys)
         if self._telemetry is not None:
-            self._telemetry.add_write(store, keys)
+            self._telemetry.add_write(store, keys, from_host)
         if self.tracer is not None:
             self.tracer.write(track, i, t0, future)
         # A write holds its slice in memory until it lands; without a bound, a disk slower than
@@ -386,12 +413,20 @@ class _Step:
         opt (and master)."""
         if self.e.spools_gradients:
             return []
-        reads = []
+        reads, kind = [], self._update_kind("optimizer")
         if self.e.plan.part_state(group, part and part.leaves):
-            reads.append(Read(track("opt", group), self._store("opt", group), i, keys=part and part.state))
+            reads.append(Read(track("opt", group), self._store("opt", group), i, keys=part and part.state,
+                              memory_kind=kind))
         if self.e.stores.master:
-            reads.append(Read(track("master", group), self._store("master", group), i, keys=part and part.params))
+            reads.append(Read(track("master", group), self._store("master", group), i, keys=part and part.params,
+                              memory_kind=kind))
         return reads
+
+    def _update_kind(self, tier_key: str) -> str:
+        """The memory kind the update reads state of the tier ``tier_key`` into: host memory for the update on
+        the host (unless the state is on the device), else device memory."""
+        on_device = getattr(self.e.config, tier_key) == "device"
+        return self.e.host_kind if self.e.on_host and not on_device else "device"
 
     def _values(self, leaves, groups, trees) -> dict:
         by_group = dict(zip(groups, trees, strict=False))
@@ -652,7 +687,9 @@ class _Step:
         master = upd[1 if has_state else 0] if e.stores.master else params_tree
         # The fused update's gradient is its own, and optimizer state read from NVMe is a fresh buffer: the
         # new state and parameters may take over their memory (docs/design.md, invariant 2).
-        donate = (1, 2) if has_state and self._store("opt", group).tier == "nvme" else (1,)
+        on_nvme = has_state and self._store("opt", group).tier == "nvme"
+        # The update on the host takes gradients from the device: theirs is no buffer its outputs can reuse.
+        donate = ((2,) if on_nvme else ()) if e.on_host else ((1, 2) if on_nvme else (1,))
         self._apply(group, i, [master[p] for p in paths], grads, [opt[p] for p in state_paths], sweep=0, totals=[],
                     grad_div=jnp.float32(1), donate=donate, part=part)
 
@@ -661,6 +698,8 @@ class _Step:
         e = self.e
         leaves = part and part.leaves
         fn = e.units.update(group, sweep, e.units.size(group, i), donate, leaves)
+        if e.on_host and e._telemetry is not None:
+            e._telemetry.add_link(self._link_bytes(master, grads, state, sweep))
         partials, compute, master, state = e._dispatch(f"update_{dir_name(group)}", i, fn, master, grads, state,
                                                   e.globals, totals, e.units.start(group, i), grad_div)
         for c, value in zip(e.plan.crosses_of(group, sweep), partials, strict=True):
@@ -668,15 +707,24 @@ class _Step:
         if sweep < e.plan.sweeps - 1:
             return
         paths, state_paths = e.units.paths(group, leaves)
-        keys = part and part.params
+        keys, host = part and part.params, e.on_host
         e._write(track("params", group), self._store("params", group), i, dict(zip(paths, compute, strict=True)),
-                 keys)
+                 keys, from_host=host)
         if e.stores.master:
             e._write(track("master", group), self._store("master", group), i, dict(zip(paths, master, strict=True)),
-                     keys)
+                     keys, from_host=host)
         if state_paths:
             e._write(track("opt", group), self._store("opt", group), i, dict(zip(state_paths, state, strict=True)),
-                     part and part.state)
+                     part and part.state, from_host=host)
+
+    def _link_bytes(self, master: list, grads: list, state: list, sweep: int) -> int:
+        """What the update on the host moves over the host link: its inputs that are in device memory, and
+        (on the last sweep) the new compute copy when the parameters live on the device."""
+        down = sum(x.nbytes for x in (*master, *grads, *state) if not on_host(x))
+        up = 0
+        if sweep == self.e.plan.sweeps - 1 and self.e.config.params == "device":
+            up = sum(x.size for x in master) * jnp.dtype(self.e.compute_dtype).itemsize
+        return down + up
 
     def finish_update(self, telemetry) -> bool:
         """After the backward pass: the sweeps (when spooled) and the global state; whether the step was skipped."""
@@ -703,10 +751,13 @@ class _Step:
         source = "master" if e.stores.master else "params"
         groups = []
         for g, i in units:
-            reads = [Read(track(source, g.name), self._store(source, g.name), i),
-                     Read(track("grads", g.name), self._store("grads", g.name), i)]
+            reads = [Read(track(source, g.name), self._store(source, g.name), i,
+                          memory_kind=self._update_kind("optimizer" if source == "master" else "params")),
+                     Read(track("grads", g.name), self._store("grads", g.name), i,
+                          memory_kind=self._update_kind("gradients"))]
             if e.plan.state_of(g.name):
-                reads.append(Read(track("opt", g.name), self._store("opt", g.name), i))
+                reads.append(Read(track("opt", g.name), self._store("opt", g.name), i,
+                                  memory_kind=self._update_kind("optimizer")))
             groups.append(reads)
         reads = ReadAhead(groups, e.config.prefetch_depth)
         grad_div = jnp.float32(e.loss_scale.value)
@@ -716,6 +767,11 @@ class _Step:
             self._apply(g.name, i, [trees[0][p] for p in paths], [trees[1][p] for p in paths], state, sweep, totals,
                         grad_div)
         telemetry.add_reads(reads)
+
+
+def on_host(x) -> bool:
+    """Whether array ``x`` is in host memory (``pinned_host`` or ``unpinned_host``)."""
+    return getattr(getattr(x, "sharding", None), "memory_kind", None) in ("pinned_host", "unpinned_host")
 
 
 def wait_for(outputs) -> None:

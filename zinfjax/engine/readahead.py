@@ -28,13 +28,15 @@ class ReadAheadError(UserError):
 
 @dataclasses.dataclass(frozen=True)
 class Read:
-    """One read: ``store.read(layer, keys)`` under a telemetry ``track`` name (``keys``: a part of the layer)."""
+    """One read: ``store.read(layer, keys, memory_kind)`` under a telemetry ``track`` name (``keys``: a part of
+    the layer; ``memory_kind``: where the arrays land, device memory unless the update on the host reads them)."""
 
     track: str
     store: object
     layer: int
     ready: Callable[[], bool] | None = None
     keys: tuple[str, ...] | None = None
+    memory_kind: str = "device"
 
 
 @dataclasses.dataclass
@@ -106,7 +108,7 @@ class ReadAhead:
         for r in group:
             event = ReadEvent(r.track, r.layer, time.perf_counter())
             self.events.append(event)
-            fut = r.store.read(r.layer, r.keys)
+            fut = r.store.read(r.layer, r.keys, r.memory_kind)
             fut.add_done_callback(lambda _, e=event: setattr(e, "complete_t", time.perf_counter()))
             futures.append(fut)
         self._pending.append(futures)

@@ -24,6 +24,7 @@ from zinfjax.config import Config
 from zinfjax.store import BufferPool, LayerStore, open_store, staging_bytes
 from zinfjax.store.disk import check_free_space, prepare_directory
 from zinfjax.store.errors import BufferBudgetError
+from zinfjax.store.pool import staging_pool
 
 # The engine's nvme stores hold its working state, which a crash mid-step leaves inconsistent
 # across layers whatever each chunk does; durable copies are checkpoints. So chunks are
@@ -228,7 +229,7 @@ def build_stores(config: Config, specs: list[StoreSpec], acts: dict[int, StoreSp
                  parts: dict | None = None) -> EngineStores:
     """Checks the specs against the disk and the buffer budget, then opens every store (empty)."""
     preflight(config, specs + list(acts.values()), parts)
-    pool = BufferPool(config.host_buffer_bytes)
+    pool = staging_pool(config.host_buffer_bytes)
     opened: dict[str, dict[str, LayerStore]] = {}
 
     def open_one(spec: StoreSpec) -> LayerStore:

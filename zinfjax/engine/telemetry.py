@@ -11,9 +11,12 @@ The metrics of one step (all times in seconds, wall clock of the host thread dri
   device all of it; a leaf split over N devices costs each 1/N: the aggregate bandwidth of
   ZeRO-Infinity's bandwidth-centric partitioning.
 - ``host_link_bytes``: bytes that crossed between host memory and the compute devices, both
-  directions summed: every read from and write to the ``host`` and ``nvme`` tiers (NVMe data
-  is staged in host memory). On the CPU backend host and device are one memory, so this is
-  what the same run would move over PCIe on an accelerator.
+  directions summed (every shard of each leaf, counted when the copy is issued). With the update
+  on the device: every read from and write to the ``host`` and ``nvme`` tiers (NVMe data is
+  staged in host memory). With the update on the host (``update_on``): the optimizer state and
+  master stay in host memory, and the link carries the gradients down and the new compute copy up
+  (and the compute copy when it is the master, in fp32). On the CPU backend host and device are
+  one memory, so this is what the same run would move over PCIe on an accelerator.
 - ``step_s``: the whole step, until its last write has landed.
 - ``stall_s``: time the step waited for a read it needed next (``future.result()`` in the
   read-ahead). Reads issued ahead that complete before they are needed cost no stall.
@@ -93,6 +96,7 @@ class StepTelemetry:
         self.events: list[ReadEvent] = []
         self.per_device: dict[str, int] = defaultdict(int)
         self._layer_bytes: dict[tuple, int] = {}
+        self.link_bytes = 0
 
     def add_reads(self, reads: ReadAhead) -> None:
         self.stall_s += reads.stall_s
@@ -100,12 +104,22 @@ class StepTelemetry:
         for group in reads.groups:
             for r in group:
                 self.per_device[f"read_bytes_{r.store.tier}_per_device"] += self._bytes(r.store, "read", r.keys)
+                if r.store.tier != "device" and r.memory_kind == "device":
+                    self.link_bytes += r.store.part_nbytes(r.keys)
         if self.tracer is not None:
             self.tracer.reads(reads.events)
 
-    def add_write(self, store, keys=None) -> None:
-        """Counts one layer (or its leaves ``keys``) written to ``store`` by the step."""
+    def add_write(self, store, keys=None, from_host: bool = False) -> None:
+        """Counts one layer (or its leaves ``keys``) written to ``store`` by the step (``from_host``: arrays
+        already in host memory, which do not cross the host link to reach the host or NVMe tier)."""
         self.per_device[f"write_bytes_{store.tier}_per_device"] += self._bytes(store, "write", keys)
+        if store.tier != "device" and not from_host:
+            self.link_bytes += store.part_nbytes(keys)
+
+    def add_link(self, nbytes: int) -> None:
+        """Counts bytes a computation moved between device and host memory (the update on the host's
+        gradients going down and compute copy coming up)."""
+        self.link_bytes += nbytes
 
     def _bytes(self, store, op: str, keys=None) -> int:
         key = (id(store), op, keys)
@@ -136,17 +150,8 @@ class StepTelemetry:
             "compute_s": step_s - self.stall_s,
             "read_s": io_s,
             "overlap": overlap,
-            **(by_tier := self.bytes_by_tier()),
-            "host_link_bytes": host_link_bytes(by_tier),
+            **self.bytes_by_tier(),
+            "host_link_bytes": self.link_bytes,
             **self.per_device,
         }
 
-
-def host_link_bytes(by_tier: dict[str, int]) -> int:
-    """Bytes read from and written to the tiers that live off the device (host and nvme).
-
-    Example:
-        >>> host_link_bytes({"read_bytes_nvme": 10, "write_bytes_nvme": 8, "read_bytes_device": 99})
-        18
-    """
-    return sum(v for k, v in by_tier.items() if k.endswith(("_host", "_nvme")))

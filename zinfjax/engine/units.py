@@ -7,6 +7,11 @@ per-unit function of the plan into one jitted step: gradients cast to fp32 and d
 loss scale, the update, the new compute copy cast to the compute dtype, and every output placed
 in its store's layout.
 
+With ``on_host`` (``update_on=host``) the update runs on the host CPU (``compute_on("device_host")``):
+every input moves to host memory first (a no-op for the master and optimizer state, which the
+host and NVMe tiers hand over in host memory), the new master and state stay there, and only the
+compute copy goes to ``params_kind`` (device memory when the parameters live there).
+
 Example:
     >>> units = Units(program, plan, jnp.bfloat16, placement)
     >>> partials, compute, master, state = units.update(group, sweep=0, i=3)(master, grads, state, globals_, [], 1.0)
@@ -18,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.compute_on import compute_on
 
 from zinfjax.program.optimizer import UpdatePlan
 from zinfjax.program.split import Program
@@ -26,8 +32,10 @@ from zinfjax.program.split import Program
 class Units:
     """Per-unit init and update functions of an `UpdatePlan`, in store layout (see the module docstring)."""
 
-    def __init__(self, program: Program, plan: UpdatePlan, compute_dtype, placement):
+    def __init__(self, program: Program, plan: UpdatePlan, compute_dtype, placement, on_host: bool = False,
+                 params_kind: str = "device", host_kind: str = "pinned_host"):
         self.program, self.plan, self.compute_dtype, self.placement = program, plan, compute_dtype, placement
+        self.on_host, self.params_kind, self.host_kind = on_host, params_kind, host_kind
 
     def size(self, group: str, i: int) -> int | None:
         """The unit's window size: 1 for a layer, the valid rows for a chunk, None for a whole group."""
@@ -60,10 +68,24 @@ class Units:
         pad = stream.rows - x.shape[0]
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
 
-    def _place(self, kind: str, paths: list[str], xs: list) -> list:
-        if self.placement.trivial or not xs:  # an earlier sweep returns partials only
+    def _place(self, kind: str, paths: list[str], xs: list, host: bool = False) -> list:
+        """``xs`` in their store layout; ``host``: where the update on the host leaves them (master and
+        state in host memory, the compute copy in ``params_kind``)."""
+        if not xs:  # an earlier sweep returns partials only
+            return xs
+        if host:
+            return self._place_in(self.host_kind if kind != "params" else self.params_kind, kind, paths, xs)
+        if self.placement.trivial:
             return xs
         return [jax.lax.with_sharding_constraint(x, self.placement.sharding(kind, p, x.shape))
+                for p, x in zip(paths, xs, strict=True)]
+
+    def _place_in(self, memory_kind: str, kind: str, paths: list[str], xs: list) -> list:
+        """``xs`` moved to ``memory_kind`` in their store layout (inside a jitted function)."""
+        if self.placement.trivial:
+            space = jax.memory.Space.Device if memory_kind == "device" else jax.memory.Space.Host
+            return [jax.device_put(x, space) for x in xs]
+        return [jax.device_put(x, self.placement.sharding(kind, p, x.shape).with_memory_kind(memory_kind))
                 for p, x in zip(paths, xs, strict=True)]
 
     # ---- functions -----------------------------------------------------------------------------
@@ -86,7 +108,7 @@ class Units:
         unit = self.plan.unit(group, sweep, size, part)
         paths, state_paths = self.paths(group, part)
 
-        def f(master, grads, state, globals_, totals, start, grad_div):
+        def body(master, grads, state, globals_, totals, start, grad_div):
             master = [self.to_unit(group, x.astype(jnp.float32), size) for x in master]
             grads = [self.to_unit(group, g.astype(jnp.float32) / grad_div, size) for g in grads]
             state = [self.to_unit(group, x, size) for x in state]
@@ -94,8 +116,18 @@ class Units:
             new_master = [self.from_unit(group, x) for x in new_master]
             compute = [x.astype(self.compute_dtype) for x in new_master]
             new_state = [self.from_unit(group, x) for x in new_state]
-            return (partials, self._place("params", paths, compute), self._place("master", paths, new_master),
-                    self._place("opt", state_paths, new_state))
+            return partials, compute, new_master, new_state
+
+        def f(*args):
+            if self.on_host:  # every input to host memory, the update on the host CPU, partials back to the device
+                args = jax.device_put(args, jax.memory.Space.Host)
+                partials, compute, new_master, new_state = compute_on("device_host")(jax.jit(body))(*args)
+                partials = jax.device_put(partials, jax.memory.Space.Device)
+            else:
+                partials, compute, new_master, new_state = body(*args)
+            h = self.on_host
+            return (partials, self._place("params", paths, compute, h), self._place("master", paths, new_master, h),
+                    self._place("opt", state_paths, new_state, h))
 
         return jax.jit(f, donate_argnums=donate)
 

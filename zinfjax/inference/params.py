@@ -24,7 +24,8 @@ from zinfjax.config import Config
 from zinfjax.engine.budget import with_defaults
 from zinfjax.engine.store_plan import SCRATCH_NVME
 from zinfjax.models import ModelConfig
-from zinfjax.store import BufferPool, open_store
+from zinfjax.store import open_store
+from zinfjax.store.pool import staging_pool
 from zinfjax.vocabulary import COMPUTE_DTYPES, GROUPS
 
 
@@ -72,7 +73,7 @@ class ParamStores:
     def __init__(self, abstract, config: Config, name: str = "infer"):
         self.config = config = with_defaults(config)
         self.dtype = COMPUTE_DTYPES[config.precision]
-        self.pool = BufferPool(config.host_buffer_bytes)
+        self.pool = staging_pool(config.host_buffer_bytes)
         self.stores = {}
         for g in GROUPS:
             like = jax.tree.map(functools.partial(self._stacked, stacked=g == "blocks"), abstract[g])

@@ -47,6 +47,23 @@ def read(env: dict, atom):
     return atom.val if isinstance(atom, jc.Literal) else env[atom]
 
 
+def one_memory(ins: list) -> list:
+    """``ins`` in one memory space: when some are in host memory (the update on the host), the rest
+    (a constant of the optimizer, a broadcast literal) join them there. A primitive bound directly
+    takes no mix of spaces, where ``jnp`` would have moved its operands itself.
+
+    Example:
+        >>> one_memory([1.0, np.float32(2)])
+        [1.0, np.float32(2.0)]
+    """
+    host = jax.memory.Space.Host
+    spaces = [getattr(jax.typeof(x), "memory_space", None) if isinstance(x, jax.Array | jax.core.Tracer) else None
+              for x in ins]
+    if host not in spaces or all(s in (host, None) for s in spaces):
+        return ins
+    return [jax.device_put(x, host) if s not in (host, None) else x for x, s in zip(ins, spaces, strict=True)]
+
+
 def evaluate(eqns: Iterable, env: dict) -> dict:
     """Runs ``eqns`` in order over ``env`` (variable -> value), adding their outputs; returns ``env``.
 

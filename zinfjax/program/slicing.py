@@ -357,7 +357,7 @@ class SlicedEvaluator:
 
     @staticmethod
     def _bind(eqn, ins, params) -> list:
-        out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(params))
+        out = eqn.primitive.bind(*jx.one_memory(ins), **eqn.primitive.get_bind_params(params))
         return list(out) if eqn.primitive.multiple_results else [out]
 
     def _partial(self, eqn, ins) -> list:

@@ -54,7 +54,7 @@ def done_future(value) -> Future:
 class LayerStore:
     """Base class of the device, host and nvme tiers.
 
-    Subclasses implement `_start_write(i, leaves, after, ks)` and `_start_read(i, after, ks)`,
+    Subclasses implement `_start_write(i, leaves, after, ks)` and `_start_read(i, after, ks, memory_kind)`,
     which return futures, and may override `flush` and `close`. `ks` are the indices of the leaves
     moved (every leaf, or a part), `after` the futures of the last writes of those leaves of layer
     `i` (the order is kept per leaf, so a part is not held up by a write of another part); the
@@ -82,6 +82,17 @@ class LayerStore:
         self._writes: set[Future] = set()
         self._errors: list[BaseException] = []
         self._closed = False
+        self._read_shardings: dict = {}
+
+    def read_sharding(self, k: int, memory_kind: str):
+        """Leaf ``k``'s per-layer sharding in ``memory_kind``: made once per kind, so a read of device memory
+        hands `device_put` the very sharding its arrays have (which it then does not copy)."""
+        if memory_kind == "device":
+            return self.layouts[k].sharding
+        key = (k, memory_kind)
+        if key not in self._read_shardings:
+            self._read_shardings[key] = self.layouts[k].sharding.with_memory_kind(memory_kind)
+        return self._read_shardings[key]
 
     @property
     def num_layers(self) -> int:
@@ -122,11 +133,13 @@ class LayerStore:
         fut.add_done_callback(lambda f, i=i, ks=ks: self._write_done(i, ks, f))
         return fut
 
-    def read(self, i: int, keys=None) -> Future:
+    def read(self, i: int, keys=None, memory_kind: str = "device") -> Future:
         """Starts reading layer `i`; the future's result is the layer tree, on device.
 
         Its leaves are jax.Arrays in device memory with the per-layer sharding, whatever the tier.
-        With ``keys`` (dict keys of some leaves), the result is a dict of just those leaves.
+        With ``keys`` (dict keys of some leaves), the result is a dict of just those leaves. With
+        ``memory_kind="pinned_host"`` the arrays stay in host memory (the optimizer update on the
+        host reads its state so): the host tier hands over what it holds, NVMe stages into host memory.
 
         Example:
             >>> layer = store.read(3).result()  # doctest: +SKIP
@@ -139,7 +152,7 @@ class LayerStore:
             after = self._after(i, ks)
             self.stats.reads_in_flight += 1
             self.stats.peak_reads_in_flight = max(self.stats.peak_reads_in_flight, self.stats.reads_in_flight)
-        fut = self._start_read(i, after, ks)
+        fut = self._start_read(i, after, ks, memory_kind)
         fut.add_done_callback(self._read_done)
         return fut
 
@@ -195,7 +208,7 @@ class LayerStore:
     def _start_write(self, i: int, leaves: list, after: list[Future], ks: list[int]) -> Future:
         raise NotImplementedError
 
-    def _start_read(self, i: int, after: list[Future], ks: list[int]) -> Future:
+    def _start_read(self, i: int, after: list[Future], ks: list[int], memory_kind: str) -> Future:
         raise NotImplementedError
 
     def _after(self, i: int, ks: list[int]) -> list[Future]:

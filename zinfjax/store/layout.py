@@ -31,7 +31,7 @@ def layer_sharding(stacked: Sharding | None) -> Sharding:
     Example:
         >>> mesh = jax.make_mesh((8,), ("data",))
         >>> layer_sharding(NamedSharding(mesh, PartitionSpec(None, "data"))).spec
-        PartitionSpec('data',)
+        P('data',)
     """
     if stacked is None:
         return default_sharding()
@@ -53,6 +53,33 @@ def stacked_sharding(layer: Sharding) -> Sharding:
     if isinstance(layer, NamedSharding):
         return NamedSharding(layer.mesh, PartitionSpec(None, *layer.spec), memory_kind=layer.memory_kind)
     return layer
+
+
+HOST_KINDS = ("pinned_host", "unpinned_host")  # JAX's host memory kinds, the one DMA can use first
+
+
+def pick_host_kind(platform: str, kinds) -> tuple[str, str | None]:
+    """The memory kind the host tier uses given a platform's memory ``kinds``, and why it is not
+    ``pinned_host`` (None when it is).
+
+    Example:
+        >>> pick_host_kind("cpu", ["device", "pinned_host", "unpinned_host"])
+        ('pinned_host', None)
+        >>> pick_host_kind("tpu", ["device", "unpinned_host"])[0]
+        'unpinned_host'
+    """
+    for kind in HOST_KINDS:
+        if kind in kinds:
+            why = None if kind == "pinned_host" else f"{platform} has no pinned_host memory; the host tier uses {kind}"
+            return kind, why
+    return "device", (f"{platform} has no host memory kind (it has {', '.join(sorted(kinds))}); the host tier "
+                      "keeps its layers in device memory")
+
+
+def host_memory_kind(device=None) -> tuple[str, str | None]:
+    """`pick_host_kind` for ``device`` (default: the first device)."""
+    device = device or jax.devices()[0]
+    return pick_host_kind(device.platform, [m.kind for m in device.addressable_memories()])
 
 
 def with_memory_kind(sharding: Sharding, kind: str) -> Sharding:

@@ -3,10 +3,16 @@
 The device tier keeps each layer in memory kind `device`; the host tier keeps it in
 `pinned_host` and copies it to the device on read. Both hand back futures so callers treat every
 tier alike, but the work is JAX's asynchronous dispatch, so the futures complete at once.
+
+A checkpoint takes a `snapshot` of the layers (immutable arrays) and writes them out in the
+background. So that the old and the new state are not both held, a write of a layer the
+checkpoint has not saved yet waits until it has (`saved`): a save costs one layer in flight, not a
+second copy of the state.
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 
 import jax
@@ -14,7 +20,7 @@ import numpy as np
 
 from zinfjax.store.base import LayerStore, done_future, wait_after
 from zinfjax.store.errors import LayerNotWrittenError
-from zinfjax.store.layout import LeafLayout, with_memory_kind
+from zinfjax.store.layout import LeafLayout, host_memory_kind, with_memory_kind
 
 
 class MemoryStore(LayerStore):
@@ -31,8 +37,12 @@ class MemoryStore(LayerStore):
         self.memory_kind = memory_kind
         self._held = [with_memory_kind(lay.sharding, memory_kind) for lay in layouts]
         self._layers: list[list | None] = [None] * self.num_layers
+        self._saving: dict[int, threading.Event] = {}  # layer -> set once a checkpoint has saved it
 
     def _start_write(self, i: int, leaves: list, after: list[Future], ks: list[int]) -> Future:
+        saving = self._saving.get(i)
+        if saving is not None:  # a checkpoint still holds this layer: it lands first, then is let go
+            saving.wait()
         held = list(self._layers[i] or [None] * len(self.layouts))  # a new list: snapshots keep the old one
         for k, x in zip(ks, leaves, strict=True):
             held[k] = self._place(x, self._held[k])
@@ -40,7 +50,7 @@ class MemoryStore(LayerStore):
         self.stats.bytes_written += sum(self.layouts[k].layer_nbytes for k in ks)
         return done_future(None)
 
-    def _start_read(self, i: int, after: list[Future], ks: list[int]) -> Future:
+    def _start_read(self, i: int, after: list[Future], ks: list[int], memory_kind: str) -> Future:
         try:
             wait_after(i, after)
             held = self._layers[i]
@@ -48,7 +58,7 @@ class MemoryStore(LayerStore):
                 raise LayerNotWrittenError(
                     f"layer {i} of the {self.tier} store was read before it was written"
                 )
-            out = [jax.device_put(held[k], self.layouts[k].sharding) for k in ks]
+            out = [jax.device_put(held[k], self.read_sharding(k, memory_kind)) for k in ks]
         except Exception as e:  # noqa: BLE001 - every failure belongs in the future
             fut: Future = Future()
             fut.set_exception(e)
@@ -63,7 +73,22 @@ class MemoryStore(LayerStore):
             >>> layers = store.snapshot()   # a checkpoint writes these out while training goes on
         """
         self.flush()
-        return [list(leaves) if leaves is not None else None for leaves in self._layers]
+        self.release_saves()
+        layers = [list(leaves) if leaves is not None else None for leaves in self._layers]
+        self._saving = {i: threading.Event() for i, leaves in enumerate(layers) if leaves is not None}
+        return layers
+
+    def saved(self, i: int) -> None:
+        """The checkpoint has written layer ``i`` (and dropped its arrays): a write of it may go on."""
+        saving = self._saving.pop(i, None)
+        if saving is not None:
+            saving.set()
+
+    def release_saves(self) -> None:
+        """Every layer of the last snapshot may be written again (the save ended, or failed)."""
+        saving, self._saving = self._saving, {}
+        for event in saving.values():
+            event.set()
 
     @staticmethod
     def _place(x, sharding):
@@ -74,6 +99,7 @@ class MemoryStore(LayerStore):
         return jax.device_put(x, sharding)
 
     def _release(self) -> None:
+        self.release_saves()
         self._layers = [None] * self.num_layers
 
 
@@ -87,9 +113,11 @@ class DeviceStore(MemoryStore):
 
 
 class HostStore(MemoryStore):
-    """The host tier: layers in pinned host memory, copied to the device on read."""
+    """The host tier: layers in pinned host memory, copied to the device on read (`host_memory_kind`: a
+    platform without ``pinned_host`` falls back to ``unpinned_host``, else device memory)."""
 
     tier = "host"
 
     def __init__(self, like, layouts: list[LeafLayout]):
-        super().__init__(like, layouts, "pinned_host")
+        device = next(iter(layouts[0].sharding.device_set)) if layouts else None
+        super().__init__(like, layouts, host_memory_kind(device)[0])

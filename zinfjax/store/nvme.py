@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import jax
 import numpy as np
 import tensorstore as ts
+from jax.sharding import SingleDeviceSharding
 
 from zinfjax.store import chunkfile, manifest
 from zinfjax.store.base import LayerStore, wait_after
@@ -197,8 +198,8 @@ class NvmeStore(LayerStore):
     def _start_write(self, i: int, leaves: list, after: list[Future], ks: list[int]) -> Future:
         return self._writers.submit(self._write_layer, i, leaves, after, ks)
 
-    def _start_read(self, i: int, after: list[Future], ks: list[int]) -> Future:
-        return self._readers.submit(self._read_layer, i, after, ks)
+    def _start_read(self, i: int, after: list[Future], ks: list[int], memory_kind: str) -> Future:
+        return self._readers.submit(self._read_layer, i, after, ks, memory_kind)
 
     def _write_layer(self, i: int, leaves: list, after: list[Future], ks: list[int]) -> None:
         for fut in after:
@@ -207,6 +208,10 @@ class NvmeStore(LayerStore):
         buf = self.pool.acquire(sum(self._slot(k) for k, _ in plan))
         try:
             host = {k: _on_layer_sharding(x, self.layouts[k]) for k, x in zip(ks, leaves, strict=True)}
+            for x in host.values():  # on an accelerator every leaf's copy to the host starts now, not in turn
+                if isinstance(x, jax.Array) and next(iter(x.devices())).platform != "cpu":
+                    for shard in x.addressable_shards:
+                        shard.data.copy_to_host_async()
             slots = self._slots(plan, buf)
             for (k, shard), (_, view) in zip(plan, slots, strict=True):
                 np.copyto(view, _host_shard(host[k], shard))
@@ -238,17 +243,17 @@ class NvmeStore(LayerStore):
         for k, fut in pending:
             self._wait(fut, i, self.layouts[k], writing=True)
 
-    def _read_layer(self, i: int, after: list[Future], ks: list[int]):
+    def _read_layer(self, i: int, after: list[Future], ks: list[int], memory_kind: str):
         wait_after(i, after)
         plan = [(k, s) for k in ks for s in self.layouts[k].shards if s.devices]
         if self.chunk_io == "direct" and all(d.platform == "cpu" for _, s in plan for d in s.devices):
-            out = self._read_in_place(i, plan, ks)
+            out = self._read_in_place(i, plan, ks, memory_kind)
         else:
-            out = self._read_staged(i, plan, ks)
+            out = self._read_staged(i, plan, ks, memory_kind)
         self._count("bytes_read", sum(lay.shard_nbytes for k, s in plan for lay in [self.layouts[k]]))
         return self._unflatten(out, ks)
 
-    def _read_staged(self, i: int, plan: list, ks: list[int]) -> list:
+    def _read_staged(self, i: int, plan: list, ks: list[int], memory_kind: str) -> list:
         buf = self.pool.acquire(sum(self._slot(k) for k, _ in plan))
         try:
             slots = self._slots(plan, buf)
@@ -256,11 +261,11 @@ class NvmeStore(LayerStore):
                 self._read_direct(i, plan, slots)
             else:
                 self._read_tensorstore(i, plan, slots)
-            return self._to_device(plan, [view for _, view in slots], buf, ks)
+            return self._to_device(plan, [view for _, view in slots], buf, ks, memory_kind)
         finally:
             buf.release()
 
-    def _read_in_place(self, i: int, plan: list, ks: list[int]) -> list:
+    def _read_in_place(self, i: int, plan: list, ks: list[int], memory_kind: str) -> list:
         """CPU backend: every chunk read into its own aligned array, which its device array then owns."""
         slots = [aligned_empty((self._slot(k),), np.uint8, chunkfile.BLOCK) for k, _ in plan]
         self._read_direct(i, plan, [(slot, None) for slot in slots])
@@ -269,10 +274,11 @@ class NvmeStore(LayerStore):
             lay = self.layouts[k]
             view = slot[: lay.shard_nbytes].view(lay.dtype).reshape(lay.shard_shape)
             first, *others = shard.devices
-            per_leaf[k].append(jax.device_put(view, first))
-            per_leaf[k].extend(_device_put(view, d) for d in others)  # a copy each: devices never alias
+            per_leaf[k].append(jax.device_put(view, _target(first, memory_kind)))
+            per_leaf[k].extend(_device_put(view, d, memory_kind) for d in others)  # a copy each: devices never alias
         return [
-            jax.make_array_from_single_device_arrays(self.layouts[k].layer_shape, self.layouts[k].sharding, xs)
+            jax.make_array_from_single_device_arrays(self.layouts[k].layer_shape,
+                                                     self.read_sharding(k, memory_kind), xs)
             for k, xs in per_leaf.items()
         ]
 
@@ -319,12 +325,13 @@ class NvmeStore(LayerStore):
             offset += self._slot(k)
         return slots
 
-    def _to_device(self, plan: list, views: list, buf: HostBuffer, ks: list[int]) -> list:
+    def _to_device(self, plan: list, views: list, buf: HostBuffer, ks: list[int], memory_kind: str) -> list:
         per_leaf: dict[int, list] = {k: [] for k in ks}
         for view, (k, shard) in zip(views, plan, strict=True):
-            per_leaf[k].extend(_device_put(view, d) for d in shard.devices)
+            per_leaf[k].extend(_device_put(view, d, memory_kind) for d in shard.devices)
         return [
-            jax.make_array_from_single_device_arrays(self.layouts[k].layer_shape, self.layouts[k].sharding,
+            jax.make_array_from_single_device_arrays(self.layouts[k].layer_shape,
+                                                     self.read_sharding(k, memory_kind),
                                                      [_detach(x, buf) for x in xs])
             for k, xs in per_leaf.items()
         ]
@@ -375,18 +382,23 @@ def _host_shard(x, shard: Shard) -> np.ndarray:
     return np.asarray(x)[shard.index]
 
 
-def _device_put(view: np.ndarray, device) -> jax.Array:
-    """Copies a pool view to `device`, never leaving the result aliasing the pool.
+def _target(device, memory_kind: str):
+    """Where ``device_put`` puts a shard: ``device`` itself, or its ``memory_kind`` memory (``pinned_host``)."""
+    return device if memory_kind == "device" else SingleDeviceSharding(device, memory_kind=memory_kind)
+
+
+def _device_put(view: np.ndarray, device, memory_kind: str = "device") -> jax.Array:
+    """Copies a pool view to `device` (its ``memory_kind`` memory), never leaving the result aliasing the pool.
 
     On the CPU backend `device_put` of 64-byte-aligned host memory is zero-copy, so the view is
     copied into a private aligned array that the device array then owns: one memcpy, where a
     device-side copy of an aliasing array would cost two.
     """
     if device.platform != "cpu":
-        return jax.device_put(view, device)
+        return jax.device_put(view, _target(device, memory_kind))
     private = aligned_empty(view.shape, view.dtype)
     np.copyto(private, view)
-    return jax.device_put(private, device)
+    return jax.device_put(private, _target(device, memory_kind))
 
 
 def shard_grid(shard: Shard, lay: LeafLayout) -> tuple[int, ...]:

@@ -4,14 +4,23 @@ Every host-side byte the nvme tier stages (reads on their way to the device, wri
 way to disk) lives in a buffer from this pool. The pool never holds more than its capacity,
 counting buffers in use and buffers kept for reuse, so host memory is set by the config and
 not by the number of layers.
+
+With ``pinned=True`` the buffers are JAX ``pinned_host`` memory (page-locked on an accelerator),
+so a copy between a staged slice and the device is a DMA the driver runs asynchronously, not a
+copy through the runtime's own staging buffer. `staging_pinned` chooses: pinned on an accelerator
+that has ``pinned_host``, anonymous mmap on the CPU backend (where the device is host memory and
+reads land in the device buffer directly) or where the platform lacks it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 
+import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from zinfjax.store.errors import BufferBudgetError
 
@@ -29,9 +38,11 @@ class HostBuffer:
     def __init__(self, pool: BufferPool, nbytes: int):
         self._pool = pool
         self.nbytes = nbytes
-        # Anonymous mmap gives page alignment, which O_DIRECT and zero-copy transfers need.
-        self._mmap = mmap.mmap(-1, max(nbytes, 1))
-        self.memory = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes)
+        if pool.pinned:
+            self._owner, self.memory = _pinned(nbytes, pool.device)
+        else:  # anonymous mmap gives page alignment, which O_DIRECT and zero-copy transfers need
+            self._owner = mmap.mmap(-1, max(nbytes, 1))
+            self.memory = np.frombuffer(self._owner, dtype=np.uint8, count=nbytes)
         self.released = True
 
     @property
@@ -60,6 +71,33 @@ class HostBuffer:
         self.release()
 
 
+def _pinned(nbytes: int, device) -> tuple[jax.Array, np.ndarray]:
+    """A page-aligned ``nbytes`` of ``device``'s ``pinned_host`` memory: the JAX array that owns it, and a
+    numpy view of it (the pool's chunk I/O reads and writes it in place; the array only keeps it alive)."""
+    owner = jax.device_put(np.zeros(nbytes + _ALIGN, np.uint8), SingleDeviceSharding(device, memory_kind="pinned_host"))
+    owner.block_until_ready()
+    address = owner.unsafe_buffer_pointer()
+    start = -address % _ALIGN
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * (nbytes + _ALIGN)).from_address(address))
+    return owner, view[start : start + nbytes]
+
+
+def staging_pinned(device) -> bool:
+    """Whether a pool for ``device`` stages in pinned memory: on an accelerator with ``pinned_host``."""
+    return device.platform != "cpu" and "pinned_host" in {m.kind for m in device.addressable_memories()}
+
+
+def staging_pool(capacity_bytes: int) -> BufferPool:
+    """A pool for this process's first local device, pinned where `staging_pinned` says so.
+
+    Example:
+        >>> staging_pool(1 << 20).stats()["memory"]   # the CPU backend
+        'pageable'
+    """
+    device = jax.local_devices()[0]
+    return BufferPool(capacity_bytes, pinned=staging_pinned(device), device=device)
+
+
 def aligned_size(nbytes: int) -> int:
     """`nbytes` rounded up to the pool's alignment, the stride of views packed into a buffer."""
     return -(-nbytes // 64) * 64
@@ -74,6 +112,8 @@ class BufferPool:
 
     Args:
         capacity_bytes: the most host memory the pool may hold at once.
+        pinned: buffers in ``device``'s ``pinned_host`` memory (default: anonymous mmap).
+        device: the device whose pinned memory backs the buffers (default: the first).
 
     Example:
         >>> pool = BufferPool(64 << 20)
@@ -83,10 +123,12 @@ class BufferPool:
         (0, 1048576)
     """
 
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int, pinned: bool = False, device=None):
         if capacity_bytes <= 0:
             raise BufferBudgetError(f"host_buffer_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = int(capacity_bytes)
+        self.pinned = pinned
+        self.device = device or (jax.devices()[0] if pinned else None)
         self.in_use_bytes = 0
         self.peak_bytes = 0
         self.acquires = 0
@@ -159,4 +201,5 @@ class BufferPool:
                 "resident_bytes": self.resident_bytes,
                 "acquires": self.acquires,
                 "waits": self.waits,
+                "memory": "pinned_host" if self.pinned else "pageable",
             }
