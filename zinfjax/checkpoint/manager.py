@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import jax
 import numpy as np
@@ -33,6 +33,7 @@ from zinfjax.checkpoint.verify import DELETING, leftovers
 from zinfjax.distributed import barrier
 from zinfjax.store.disk import free_bytes, is_disk_full
 from zinfjax.store.manifest import fsync_dir
+from zinfjax.store.threads import executor
 
 
 class CheckpointManager:
@@ -52,7 +53,7 @@ class CheckpointManager:
         self.config, self.model = config, model
         self.run_id = run_id  # the run these checkpoints belong to; made at the first save when not given
         self.protect: int | None = None  # a step pruning keeps even beyond `keep` (see zinfjax.train.Saver)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="zinf-ckpt")
+        self._executor = executor(1, "zinf-ckpt")
         self._pending: Future | None = None
         self.last_error: CheckpointSaveError | None = None  # of the previous save, reported by `save`
         self._prepare()

@@ -17,6 +17,11 @@ The metrics of one step (all times in seconds, wall clock of the host thread dri
   master stay in host memory, and the link carries the gradients down and the new compute copy up
   (and the compute copy when it is the master, in fp32). On the CPU backend host and device are
   one memory, so this is what the same run would move over PCIe on an accelerator.
+- ``cpu_s_<role>``: CPU seconds (user + system) the process's threads of each role used during the
+  step (`zinfjax.store.threads`): ``xla`` (compute), ``python`` (the main thread that dispatches the
+  engine, and other Python threads), ``read`` / ``write`` / ``chunk_io`` (the NVMe tier's I/O path:
+  staging copies, checksums, system calls), ``checkpoint``. With 2 cores, ``sum / step_s`` near 2
+  means the step is CPU-bound.
 - ``step_s``: the whole step, until its last write has landed.
 - ``stall_s``: time the step waited for a read it needed next (``future.result()`` in the
   read-ahead). Reads issued ahead that complete before they are needed cost no stall.
@@ -35,6 +40,7 @@ import time
 from collections import Counter, defaultdict
 
 from zinfjax.engine.readahead import ReadAhead, ReadEvent
+from zinfjax.store.threads import cpu_seconds
 
 
 def union_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -92,6 +98,7 @@ class StepTelemetry:
         if tracer is not None:
             tracer.step_begin()
         self.before = [(s.stats.bytes_read, s.stats.bytes_written) for s in stores]
+        self.cpu_before = cpu_seconds()
         self.stall_s = 0.0
         self.events: list[ReadEvent] = []
         self.per_device: dict[str, int] = defaultdict(int)
@@ -152,6 +159,7 @@ class StepTelemetry:
             "overlap": overlap,
             **self.bytes_by_tier(),
             "host_link_bytes": self.link_bytes,
+            **{f"cpu_s_{k}": max(0.0, v - self.cpu_before.get(k, 0.0)) for k, v in cpu_seconds().items()},
             **self.per_device,
         }
 

@@ -35,6 +35,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import crc32c as _crc32c
 import numpy as np
 
+from zinfjax.store.threads import executor
+
 CHECKSUM_BYTES = 4
 BLOCK = 4096  # O_DIRECT needs buffers, offsets and lengths aligned to the logical block size
 _DIRECT = getattr(os, "O_DIRECT", 0)
@@ -260,7 +262,7 @@ def _io_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zinf-chunk-io")
+            _pool = executor(IO_THREADS, "zinf-chunk-io")
         return _pool
 
 

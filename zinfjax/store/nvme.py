@@ -13,7 +13,7 @@ buffer (``device_put`` adopts it without a copy), which saves a copy of every by
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import jax
 import numpy as np
@@ -35,6 +35,7 @@ from zinfjax.store.errors import (
 from zinfjax.store.layout import LeafLayout, Shard
 from zinfjax.store.lock import StoreLock
 from zinfjax.store.pool import BufferPool, HostBuffer
+from zinfjax.store.threads import executor
 
 CHECKSUM_BYTES = chunkfile.CHECKSUM_BYTES
 CHUNK_IO = ("direct", "tensorstore")
@@ -148,12 +149,8 @@ class NvmeStore(LayerStore):
             self._lock_file.release()
             raise
         self.pool = pool or BufferPool(max(4 * self._read_nbytes(), 64 << 20))
-        self._readers = ThreadPoolExecutor(
-            read_threads, thread_name_prefix=f"zinf-read-{os.path.basename(directory)}"
-        )
-        self._writers = ThreadPoolExecutor(
-            write_threads, thread_name_prefix=f"zinf-write-{os.path.basename(directory)}"
-        )
+        self._readers = executor(read_threads, f"zinf-read-{os.path.basename(directory)}")
+        self._writers = executor(write_threads, f"zinf-write-{os.path.basename(directory)}")
 
     def _open(self, create: bool, context: ts.Context) -> list[ts.TensorStore]:
         expected = manifest.build(os.path.basename(self.directory), self.layouts)
