@@ -18,10 +18,10 @@ The metrics of one step (all times in seconds, wall clock of the host thread dri
   (and the compute copy when it is the master, in fp32). On the CPU backend host and device are
   one memory, so this is what the same run would move over PCIe on an accelerator.
 - ``cpu_s_<role>``: CPU seconds (user + system) the process's threads of each role used during the
-  step (`zinfjax.store.threads`): ``xla`` (compute), ``python`` (the main thread that dispatches the
-  engine, and other Python threads), ``read`` / ``write`` / ``chunk_io`` (the NVMe tier's I/O path:
-  staging copies, checksums, system calls), ``checkpoint``. With 2 cores, ``sum / step_s`` near 2
-  means the step is CPU-bound.
+  step (`zinfjax.store.threads`): ``main`` (the thread that dispatches the engine), ``xla`` (compute),
+  ``read`` / ``write`` / ``chunk_io`` (the NVMe tier's I/O path: staging copies, checksums, system
+  calls), ``checkpoint``, ``other`` (the runtime's unnamed threads). With 2 cores, ``sum / step_s``
+  near 2 means the step is CPU-bound.
 - ``step_s``: the whole step, until its last write has landed.
 - ``stall_s``: time the step waited for a read it needed next (``future.result()`` in the
   read-ahead). Reads issued ahead that complete before they are needed cost no stall.

@@ -3,14 +3,15 @@
 Python names its threads for itself only; the kernel, ``top -H`` and ``/proc`` see every thread
 under the process's name. `executor` makes pools whose threads carry their Python name into the
 kernel (the first 15 bytes: ``zinf-read-param``, ``zinf-chunk-io_3``), so `cpu_seconds` can split
-the process's CPU time by role: XLA's compute threads, the NVMe tier's readers, writers and chunk
-I/O, checkpoint saves, and the Python threads (the main one that dispatches the engine).
+the process's CPU time by role: the main thread (which dispatches the engine), XLA's compute
+threads, the NVMe tier's readers, writers and chunk I/O, checkpoint saves, and the other threads
+(the runtime's unnamed ones and any Python thread of the program's own).
 
 Example:
     >>> pool = executor(2, "zinf-demo")
     >>> pool.submit(lambda: None).result()
     >>> sorted(cpu_seconds())[:3]
-    ['checkpoint', 'chunk_io', 'python']
+    ['checkpoint', 'chunk_io', 'main']
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ ROLES = (  # (OS thread name prefix, role); the first match wins
     ("XLA", "xla"),
     ("llvm", "xla"),
 )
-ALL_ROLES = sorted({"python", *(role for _, role in ROLES)})
+ALL_ROLES = sorted({"main", "other", *(role for _, role in ROLES)})
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -48,14 +49,16 @@ def executor(workers: int, prefix: str) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix=prefix, initializer=name_in_kernel)
 
 
-def role(name: str) -> str:
-    """The role of a thread by its kernel name.
+def role(name: str, main: bool = False) -> str:
+    """The role of a thread by its kernel name (``main``: it is the process's main thread).
 
     Example:
-        >>> role("zinf-read-param"), role("tf_XLAEigen"), role("zinfjax")
-        ('read', 'xla', 'python')
+        >>> role("zinf-read-param"), role("tf_XLAEigen"), role("zinfjax"), role("zinfjax", main=True)
+        ('read', 'xla', 'other', 'main')
     """
-    return next((r for prefix, r in ROLES if name.startswith(prefix)), "python")
+    if main:
+        return "main"
+    return next((r for prefix, r in ROLES if name.startswith(prefix)), "other")
 
 
 def cpu_seconds() -> dict[str, float]:
@@ -76,5 +79,5 @@ def cpu_seconds() -> dict[str, float]:
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2 :].split()
-        out[role(name)] += (int(fields[11]) + int(fields[12])) / _TICK
+        out[role(name, main=int(tid) == os.getpid())] += (int(fields[11]) + int(fields[12])) / _TICK
     return out
