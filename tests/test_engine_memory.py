@@ -21,6 +21,8 @@ import sys
 import numpy as np
 import pytest
 
+from zinfjax import Config
+from zinfjax.engine.budget import BudgetPlan, memory_capped
 from zinfjax.models import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,3 +82,15 @@ def test_peak_rss_does_not_grow_with_the_vocabulary_when_state_is_on_nvme(tmp_pa
     base = ModelConfig.named("gpt2-mini").replace(n_layers=2, **WIDE)
     small, large = base.replace(vocab_size=32768, vocab_chunks=16), base.replace(vocab_size=65536, vocab_chunks=32)
     assert_flat(train(small, tmp_path, "v32k"), train(large, tmp_path, "v64k"), "doubling the vocabulary")
+
+
+def test_the_heap_is_kept_lean_only_when_memory_is_capped():
+    """Capped (memory_limit, host_buffer_bytes, a cgroup): freed buffers leave the heap; uncapped, they are reused."""
+    def plan(source):
+        return BudgetPlan(1 << 30, source, 0, 2, 1 << 26, 1 << 26)
+
+    available, cgroup = plan("available memory less a 1.8 GiB margin"), plan("the memory cgroup's limit less a margin")
+    assert not memory_capped(Config(), available)
+    assert memory_capped(Config(), cgroup)
+    assert memory_capped(Config(host_buffer_bytes=64 << 20), available)
+    assert memory_capped(Config(memory_limit=2 << 30), available)

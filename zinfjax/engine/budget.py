@@ -13,8 +13,11 @@ XLA's compiler, and splits the rest:
   what the rest holds (2 to 3) at twice the largest operation's reads per step of read-ahead;
 - otherwise the budget is *lean*: one slice each, one operation read ahead.
 
-With state on NVMe the engine also lowers glibc's mmap threshold (`NVME_MMAP_THRESHOLD`), so freed
-layer buffers leave the heap at once.
+With state on NVMe and memory capped (`memory_capped`: ``memory_limit`` or ``host_buffer_bytes`` set,
+or a memory cgroup below what is available) the engine also lowers glibc's mmap threshold
+(`NVME_MMAP_THRESHOLD`), so freed layer buffers leave the heap at once. Uncapped, it keeps 32 MiB:
+every large buffer mapped afresh costs page faults (gpt2-small on NVMe: 5.3-5.6 s steps at 4 MiB,
+4.5-4.9 s at 32 MiB, peak 1.43 against 1.57 GB; docs/BENCHMARKS.md, "Profile").
 
 A key set explicitly is kept. A budget too small for even one slice in flight is refused before
 anything is written, naming the smallest budget that would work (docs/engine.md, "Memory").
@@ -119,6 +122,20 @@ def default_limit() -> tuple[int, str]:
     limit, source = (cgroup, "the memory cgroup's limit") if cgroup < available else (available, "available memory")
     margin = max(MARGIN_MIN, int(MARGIN_FRACTION * limit))
     return limit - margin, f"{source} less a {format_bytes(margin)} margin"
+
+
+def memory_capped(config, budget: BudgetPlan) -> bool:
+    """Whether the run's memory is capped: ``memory_limit`` or ``host_buffer_bytes`` set, or the budget is a
+    memory cgroup's limit. Then the engine trades some step time for a lower peak (module docstring).
+
+    Example:
+        >>> from zinfjax import Config
+        >>> plan = BudgetPlan(1 << 30, "available memory less a 1.8 GiB margin", 0, 2, 1 << 26, 1 << 26)
+        >>> memory_capped(Config(), plan), memory_capped(Config(memory_limit=2 << 30), plan)
+        (False, True)
+    """
+    explicit = config.memory_limit is not None or config.host_buffer_bytes is not None
+    return explicit or budget.source.startswith("the memory cgroup")
 
 
 def plan_budget(config, read_bytes: int, write_bytes: int, resident: int = 0,

@@ -35,7 +35,14 @@ from jax.sharding import PartitionSpec as P
 from zinfjax import allocator
 from zinfjax.config import Config
 from zinfjax.engine import crash_marker
-from zinfjax.engine.budget import LIVE_BASE, NVME_MMAP_THRESHOLD, BudgetPlan, MemoryBudgetError, plan_budget
+from zinfjax.engine.budget import (
+    LIVE_BASE,
+    NVME_MMAP_THRESHOLD,
+    BudgetPlan,
+    MemoryBudgetError,
+    memory_capped,
+    plan_budget,
+)
 from zinfjax.engine.parts import Part, update_parts
 from zinfjax.engine.placement import Placement
 from zinfjax.engine.readahead import Read, ReadAhead
@@ -153,8 +160,8 @@ class Engine:
         self.parts, self.budget, read = self._plan_memory(specs, list(acts.values()))
         # While the state is written at the start, no step holds its operations' memory: writes may use it.
         self._write_bound = self.budget.write_bytes_in_flight + LIVE_BASE * read
-        if config.uses_nvme:  # freed layer buffers leave the heap at once (docs/design.md, invariant 2)
-            allocator.tune_allocator(mmap_threshold=NVME_MMAP_THRESHOLD)
+        if config.uses_nvme and memory_capped(config, self.budget):  # freed layer buffers leave the heap at once
+            allocator.tune_allocator(mmap_threshold=NVME_MMAP_THRESHOLD)  # (docs/design.md, invariant 2)
         self.config = config = config.replace(prefetch_depth=self.budget.prefetch_depth,
                                               host_buffer_bytes=self.budget.host_buffer_bytes)
         self.step_count = int(getattr(source, "step", 0))
