@@ -55,7 +55,7 @@ from zinfjax.program.optimizer import UpdatePlan, combine_partials
 from zinfjax.program.split import Program, unslice
 from zinfjax.program.stages import StageFunctions, differentiable, zero_cotangent
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
-from zinfjax.store.layout import host_memory_kind
+from zinfjax.store.layout import HOST_KINDS, host_memory_kind
 from zinfjax.vocabulary import COMPUTE_DTYPES
 
 
@@ -777,8 +777,8 @@ class _Step:
 
 
 def on_host(x) -> bool:
-    """Whether array ``x`` is in host memory (``pinned_host`` or ``unpinned_host``)."""
-    return getattr(getattr(x, "sharding", None), "memory_kind", None) in ("pinned_host", "unpinned_host")
+    """Whether array ``x`` is in host memory (one of `HOST_KINDS`)."""
+    return getattr(getattr(x, "sharding", None), "memory_kind", None) in HOST_KINDS
 
 
 def wait_for(outputs) -> None:

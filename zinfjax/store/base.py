@@ -85,8 +85,7 @@ class LayerStore:
         self._read_shardings: dict = {}
 
     def read_sharding(self, k: int, memory_kind: str):
-        """Leaf ``k``'s per-layer sharding in ``memory_kind``: made once per kind, so a read of device memory
-        hands `device_put` the very sharding its arrays have (which it then does not copy)."""
+        """Leaf ``k``'s per-layer sharding in ``memory_kind``, made once per (leaf, kind) rather than per read."""
         if memory_kind == "device":
             return self.layouts[k].sharding
         key = (k, memory_kind)

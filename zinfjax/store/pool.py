@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from zinfjax.store.errors import BufferBudgetError
+from zinfjax.store.layout import host_memory_kind
 
 _ALIGN = mmap.PAGESIZE
 
@@ -84,7 +85,7 @@ def _pinned(nbytes: int, device) -> tuple[jax.Array, np.ndarray]:
 
 def staging_pinned(device) -> bool:
     """Whether a pool for ``device`` stages in pinned memory: on an accelerator with ``pinned_host``."""
-    return device.platform != "cpu" and "pinned_host" in {m.kind for m in device.addressable_memories()}
+    return device.platform != "cpu" and host_memory_kind(device)[0] == "pinned_host"
 
 
 def staging_pool(capacity_bytes: int) -> BufferPool:
