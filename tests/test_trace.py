@@ -14,7 +14,7 @@ STEPS = 2
 def traced(tmp_path_factory):
     """A traced run of the engine with every tier on NVMe: (tracer, number of layers, metrics)."""
     path = tmp_path_factory.mktemp("trace")
-    c = config(params="nvme", optimizer="nvme", activations="nvme", nvme_path=str(path / "state"))
+    c = config(params="nvme", optimizer="nvme", activations="nvme", recompute="always", nvme_path=str(path / "state"))
     engine = make_engine(c)
     tracer = Tracer(max_steps=STEPS)
     try:

@@ -29,6 +29,7 @@ DECAYS = ("constant", "linear", "cosine")
 WARMUPS = ("linear", "log")
 TIER_MODES = ("manual", "auto")
 UPDATE_ON = ("auto", "device", "host")
+RECOMPUTE = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Config:
     memory_limit: int | None = None  # None: the cgroup's limit or the available memory, less a margin
     sub_group_size: int | None = None  # parameters per update part; None: parts only when memory needs them
     update_on: str = "auto"  # where the optimizer update runs: device, host, or auto (engine.update_location)
+    recompute: str = "auto"  # rerun each layer's forward in its backward: always, never, or auto (engine/residuals.py)
     # numerics
     precision: str = "fp32"
     grad_clip: float = 0.0
@@ -293,6 +295,7 @@ def _validate(c: Config) -> None:
         "a tier is 'nvme' but nvme_path is not set; set nvme_path=/path/on/fast/disk",
     )
     _check(c.prefetch_depth is None or c.prefetch_depth >= 0, f"prefetch_depth={c.prefetch_depth} must be 0 or more")
+    _check(c.recompute in RECOMPUTE, f"recompute={c.recompute!r} is not allowed; use {', '.join(RECOMPUTE)}")
     _check(c.update_on in UPDATE_ON, f"update_on={c.update_on!r} is not allowed; use {', '.join(UPDATE_ON)}")
     _check(c.update_on != "host" or c.optimizer != "device",
            "update_on=host runs the update where the optimizer state is, so it needs optimizer=host or nvme "
@@ -351,6 +354,9 @@ KEY_DOCS = {
     "update_on": "where the optimizer update runs: device, host (the host CPU, beside the optimizer state on host "
                  "or nvme: only gradients go down and the compute copy comes up) or auto (host when the optimizer "
                  "state is off an accelerator, device on the CPU backend)",
+    "recompute": "rerun each layer's forward inside its backward (activation checkpointing): always; never (keep "
+                 "every layer's backward residuals in device memory); or auto (never when the residuals fit the "
+                 "memory budget with room to spare, else always)",
     "precision": "fp32, bf16 or fp16 compute (master weights stay fp32)",
     "grad_clip": "global-norm gradient clipping threshold; 0 is off",
     "grad_accum": "micro-batches per optimizer step",

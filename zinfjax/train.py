@@ -191,6 +191,8 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
         log["update_parts"] = {g: len(p) for g, p in trainer.engine.parts.items()}  # layers updated in parts
         log["update_on"] = trainer.engine.update_on  # where the optimizer update ran (update_on=auto decides)
         log["host_memory_kind"] = trainer.engine.host_kind
+        log["recompute"] = not trainer.engine.saves_residuals  # whether each backward reruns its forward
+        log["residual_bytes_bound"] = trainer.engine.residual_bytes  # what recompute=auto counted them at, at most
         log["staging_memory"] = trainer.engine.stores.pool.stats()["memory"]  # NVMe staging: pinned_host or pageable
         if trainer.engine.host_kind_fallback:
             log["host_memory_fallback"] = trainer.engine.host_kind_fallback

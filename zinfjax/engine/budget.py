@@ -138,6 +138,22 @@ def memory_capped(config, budget: BudgetPlan) -> bool:
     return explicit or budget.source.startswith("the memory cgroup")
 
 
+def fits_device(nbytes: int, device=None) -> bool:
+    """Whether ``nbytes`` fit in half the free memory of ``device`` (default: the first local one), by its
+    allocator's statistics; False where it reports none.
+
+    Example:
+        >>> fits_device(1 << 20)   # the CPU backend reports no device memory
+        False
+    """
+    import jax
+
+    stats = (device or jax.local_devices()[0]).memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return False
+    return nbytes <= (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // 2
+
+
 def plan_budget(config, read_bytes: int, write_bytes: int, resident: int = 0,
                 baseline: int | None = None) -> BudgetPlan:
     """The buffers and read-ahead ``config`` gets, for operations of ``read_bytes`` and slices of ``write_bytes``.

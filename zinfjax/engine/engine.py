@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zinfjax import allocator
+from zinfjax.byte_sizes import format_bytes
 from zinfjax.config import Config
 from zinfjax.engine import crash_marker
 from zinfjax.engine.budget import (
@@ -40,6 +41,7 @@ from zinfjax.engine.budget import (
     NVME_MMAP_THRESHOLD,
     BudgetPlan,
     MemoryBudgetError,
+    fits_device,
     memory_capped,
     plan_budget,
 )
@@ -52,6 +54,7 @@ from zinfjax.engine.units import Units
 from zinfjax.errors import UserError
 from zinfjax.program import jaxpr as jx
 from zinfjax.program.optimizer import UpdatePlan, combine_partials
+from zinfjax.program.residuals import residual_bytes
 from zinfjax.program.split import Program, unslice
 from zinfjax.program.stages import StageFunctions, differentiable, zero_cotangent
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
@@ -157,7 +160,8 @@ class Engine:
         self._check_micro_batch()
         self._tied = self._tied_groups()
         specs, acts = store_specs(config, program, self.plan, self.placement, self.compute_dtype)
-        self.parts, self.budget, read = self._plan_memory(specs, list(acts.values()))
+        self.residual_bytes = self._residual_bytes()
+        self.parts, self.budget, read, self.saves_residuals = self._plan_memory(specs, list(acts.values()))
         # While the state is written at the start, no step holds its operations' memory: writes may use it.
         self._write_bound = self.budget.write_bytes_in_flight + LIVE_BASE * read
         if config.uses_nvme and memory_capped(config, self.budget):  # freed layer buffers leave the heap at once
@@ -187,8 +191,15 @@ class Engine:
         """Slices of the longest streamed group (the layers of a transformer)."""
         return max((g.length for g in self.program.streamed_groups()), default=1)
 
-    def _plan_memory(self, specs, acts) -> tuple[dict, BudgetPlan, int]:
-        """The update parts, the memory budget's plan, and the largest operation's reads.
+    def _residual_bytes(self) -> int:
+        """What this process's devices hold of one step's saved residuals, at most (`residual_bytes`): the
+        batch's rows split over the data axis."""
+        total = residual_bytes(self.program, self.micro)
+        return total * len(self.mesh.local_devices) // self.mesh.shape["data"]
+
+    def _plan_memory(self, specs, acts) -> tuple[dict, BudgetPlan, int, bool]:
+        """The update parts, the memory budget's plan, the largest operation's reads, and whether the
+        backward keeps the forward's residuals instead of recomputing it (`_plan`).
 
         Layers are updated whole while the budget holds that with room (a roomy budget): fewer
         operations cost less CPU time. A lean or refused budget takes the parts (`zinfjax.engine.parts`),
@@ -199,13 +210,35 @@ class Engine:
         if parts and not self.config.sub_group_size:
             whole = budget_needs(specs, acts, platform)
             try:
-                plan = plan_budget(self.config, *whole)
+                plan, saves = self._plan(*whole)
             except MemoryBudgetError:
                 plan = None
             if plan is not None and not plan.lean:
-                return {}, plan, whole[0]
+                return {}, plan, whole[0], saves
         needs = budget_needs(specs, acts, platform, parts)
-        return parts, plan_budget(self.config, *needs), needs[0]
+        return parts, *self._plan(*needs), needs[0]
+
+    def _plan(self, read: int, write: int, resident: int) -> tuple[BudgetPlan, bool]:
+        """The budget's plan, and whether the residuals are kept (``recompute``; docs/engine.md, "Recomputation").
+
+        ``auto`` keeps them when the budget holds them as well and stays roomy: on the CPU backend they
+        count against the host budget; on an accelerator they must fit in half its free memory.
+        """
+        mode, cpu = self.config.recompute, self.mesh.devices.flat[0].platform == "cpu"
+        if mode == "always" or (mode == "auto" and not cpu and not fits_device(self.residual_bytes)):
+            return plan_budget(self.config, read, write, resident), False
+        if not cpu:
+            return plan_budget(self.config, read, write, resident), True
+        try:
+            plan = plan_budget(self.config, read, write, resident + self.residual_bytes)
+        except MemoryBudgetError as e:
+            if mode == "never":
+                raise MemoryBudgetError(f"{e}; recompute=never keeps {format_bytes(self.residual_bytes)} of "
+                                        "residuals (recompute=auto or always holds none)") from None
+            return plan_budget(self.config, read, write, resident), False
+        if mode == "never" or not plan.lean:
+            return plan, True
+        return plan_budget(self.config, read, write, resident), False
 
     def _check_micro_batch(self) -> None:
         data = self.mesh.shape["data"]
@@ -277,7 +310,8 @@ class Engine:
         if not self._steps_run:
             self._release_scratch()  # the first step compiled every stage function
         self._steps_run += 1
-        return telemetry.finish(loss=loss, skipped=skipped, loss_scale=self.loss_scale.value)
+        return telemetry.finish(loss=loss, skipped=skipped, loss_scale=self.loss_scale.value,
+                                residual_bytes=step.kept_bytes)
 
     def _micro_batches(self, batch) -> list:
         """The batch's leaves as ``(A, rows, ...)``: micro-batch ``k`` is rows ``k::A`` (spread over the data axis)."""
@@ -395,6 +429,8 @@ class _Step:
         self.whole_grads: dict = {}
         self.pending: dict = {}  # (group, i) -> (its params, {leaf: gradient}) until its update parts have run
         self.written: set = set()  # (acts position, i) and ("grads", group, i) once written
+        self.kept = _Kept()  # a stage's (or scan iteration's) saved residuals until its backward
+        self.final_carry: dict = {}  # each scan's last carry, by position: the shape of its cotangent
         self.partials: dict = {}
         self.finite: list = []
         self.loss = None
@@ -405,6 +441,11 @@ class _Step:
         for stage in reversed(self.p.stages):
             self.ops += self._backward(stage)
         self.ops += self._unused()
+
+    @property
+    def kept_bytes(self) -> int:
+        """The most bytes of saved residuals this process held at once in the step."""
+        return self.kept.peak
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -447,9 +488,14 @@ class _Step:
 
             def run(trees, stage=stage, groups=groups):
                 params = self._values(stage.params, groups, trees)
-                fwd = self.e.stage_fns.whole_fwd(stage.position)
-                outs = self.e._dispatch(f"{label(self.p, stage)}_fwd", stage.position, fwd, params,
-                                   [self.env[v] for v in stage.inputs])
+                ins = [self.env[v] for v in stage.inputs]
+                name = f"{label(self.p, stage)}_fwd"
+                if self.e.saves_residuals:
+                    fwd = self.e.stage_fns.whole_fwd_saving(stage.position)
+                    outs, self.kept[stage.position] = self.e._dispatch(name, stage.position, fwd, params, ins)
+                else:
+                    outs = self.e._dispatch(name, stage.position, self.e.stage_fns.whole_fwd(stage.position),
+                                            params, ins)
                 self.env.update(zip(stage.outputs, outs, strict=True))
                 if self.p.loss_var in stage.outputs:
                     self.loss = self.env[self.p.loss_var]
@@ -484,20 +530,27 @@ class _Step:
 
             def run(trees, i=i, s_groups=s_groups):
                 slices = self._values(stage.streams, s_groups, trees)
+                ins = [self.env[v] for v in stage.const_vars]
+                xs = [self.env[v][:, i] for v in stage.xs_vars]
+                args = (f"{label(self.p, stage)}_fwd", i)
+                if self.e.saves_residuals:  # the residuals replace the activation checkpoint
+                    fwd = self.e.stage_fns.scan_fwd_saving(stage.position)
+                    state["carry"], state["ys"][i], self.kept[(stage.position, i)] = self.e._dispatch(
+                        *args, fwd, state["params"], slices, ins, state["carry"], xs)
+                    return
                 carry = {f"carry{j}": c for j, c in enumerate(state["carry"])}
                 self.e._write(f"acts_{label(self.p, stage)}", acts, i, carry)
                 self.written.add((stage.position, i))
-                ins = [self.env[v] for v in stage.const_vars]
-                xs = [self.env[v][:, i] for v in stage.xs_vars]
                 fwd = self.e.stage_fns.scan_fwd(stage.position)
-                state["carry"], state["ys"][i] = self.e._dispatch(f"{label(self.p, stage)}_fwd", i, fwd,
-                                                                  state["params"], slices, ins, state["carry"], xs)
+                state["carry"], state["ys"][i] = self.e._dispatch(*args, fwd, state["params"], slices, ins,
+                                                                  state["carry"], xs)
 
             ops.append(Op("scan_fwd", i, s_reads, run))
 
         def end(_):
             outvars = stage.eqn.outvars
             n_k = stage.num_carry
+            self.final_carry[stage.position] = state["carry"]
             values = dict(zip(outvars[:n_k], state["carry"], strict=True))
             for j, v in enumerate(outvars[n_k:]):
                 if v in stage.outputs:
@@ -540,9 +593,13 @@ class _Step:
         def run(trees, stage=stage, groups=groups, done=done):
             params = self._values(stage.params, groups, trees[: len(groups)])
             d_outs = [self._cotangent(v) for v in stage.outputs]
-            bwd = self.e.stage_fns.whole_bwd(stage.position)
-            d_params, d_ins = self.e._dispatch(f"{label(self.p, stage)}_bwd", stage.position, bwd, params,
-                                          [self.env[v] for v in stage.inputs], d_outs)
+            name = f"{label(self.p, stage)}_bwd"
+            if self.e.saves_residuals:
+                d_params, d_ins = self.e._dispatch(name, stage.position, self.e.stage_fns.whole_bwd_saved(
+                    stage.position), params, self.kept.pop(stage.position), d_outs)
+            else:
+                d_params, d_ins = self.e._dispatch(name, stage.position, self.e.stage_fns.whole_bwd(stage.position),
+                                                   params, [self.env[v] for v in stage.inputs], d_outs)
             self._add_grads(d_params)
             for v, c in zip(stage.inputs, d_ins, strict=True):
                 self._add_ct(v, c)
@@ -566,7 +623,8 @@ class _Step:
         ops = [Op("scan_bwd_begin", stage.position, reads, begin)]
         for i in reversed(stage.order()):
             s_groups, s_reads = self._param_reads(stage.streams, i)
-            act = Read(f"acts_{label(self.p, stage)}", acts, i, ready=lambda i=i: (stage.position, i) in self.written)
+            act = [] if self.e.saves_residuals else [
+                Read(f"acts_{label(self.p, stage)}", acts, i, ready=lambda i=i: (stage.position, i) in self.written)]
             extra = []
             for g in owned:
                 if g.name not in self.e.parts:
@@ -574,7 +632,7 @@ class _Step:
                 if g.name in self.e._tied:
                     extra.append(Read(track("grads", g.name), self._store("grads", g.name), i,
                                       ready=lambda g=g, i=i: ("grads", g.name, i) in self.written))
-            ops.append(Op("scan_bwd", i, s_reads + [act] + extra,
+            ops.append(Op("scan_bwd", i, s_reads + act + extra,
                           functools.partial(self._scan_step, stage, state, i, s_groups, owned)))
             ops += [Op("update_part", i, self._update_reads(g.name, i, part),
                        functools.partial(self._update_part, g.name, i, part))
@@ -602,20 +660,26 @@ class _Step:
         return ops
 
     def _scan_step(self, stage, state, i: int, s_groups, owned, trees) -> None:
-        n = len(s_groups)
+        n, saved = len(s_groups), self.e.saves_residuals
         slices = self._values(stage.streams, s_groups, trees[:n])
-        carry = [trees[n][f"carry{j}"] for j in range(stage.num_carry)]
+        carry = self.final_carry[stage.position] if saved else [trees[n][f"carry{j}"] for j in range(stage.num_carry)]
         if any(c is None for c in state["d_carry"]):
             state["d_carry"] = [zero_cotangent(carry[j]) if c is None else c for j, c in enumerate(state["d_carry"])]
-        ins = [self.env[v] for v in stage.const_vars]
-        xs = [self.env[v][:, i] for v in stage.xs_vars]
         outvars = stage.eqn.outvars[stage.num_carry:]
         d_ys = [self.cts[v][:, i] if v in self.cts else
                 zero_cotangent(jax.ShapeDtypeStruct((self.e.micro, *v.aval.shape[1:]), v.aval.dtype))
                 for v in outvars]
-        d_params, d_slices, d_ins, state["d_carry"], d_xs = self.e._dispatch(
-            f"{label(self.p, stage)}_bwd", i, self.e.stage_fns.scan_bwd(stage.position), state["params"], slices, ins,
-            carry, xs, state["d_carry"], d_ys)
+        name = f"{label(self.p, stage)}_bwd"
+        if saved:
+            d_params, d_slices, d_ins, state["d_carry"], d_xs = self.e._dispatch(
+                name, i, self.e.stage_fns.scan_bwd_saved(stage.position), state["params"], slices,
+                self.kept.pop((stage.position, i)), state["d_carry"], d_ys)
+        else:
+            ins = [self.env[v] for v in stage.const_vars]
+            xs = [self.env[v][:, i] for v in stage.xs_vars]
+            d_params, d_slices, d_ins, state["d_carry"], d_xs = self.e._dispatch(
+                name, i, self.e.stage_fns.scan_bwd(stage.position), state["params"], slices, ins, carry, xs,
+                state["d_carry"], d_ys)
         for k, g in d_params.items():
             state["d_params"][k] = state["d_params"][k] + g if k in state["d_params"] else g
         if state["d_ins"] is None:
@@ -625,7 +689,7 @@ class _Step:
                                                                                              strict=True)]
         state["d_xs"][i] = d_xs
         by_group = dict(zip(s_groups, trees[:n], strict=True))
-        rest = list(trees[n + 1:])
+        rest = list(trees[n + (0 if saved else 1):])
         for g in owned:  # in the order `_scan_backward` listed their reads
             grads = [d_slices[k] for k in g.leaves]
             in_parts = g.name in self.e.parts
@@ -774,6 +838,28 @@ class _Step:
             self._apply(g.name, i, [trees[0][p] for p in paths], [trees[1][p] for p in paths], state, sweep, totals,
                         grad_div)
         telemetry.add_reads(reads)
+
+
+class _Kept(dict):
+    """Saved residuals by stage (or scan iteration), counting the most bytes this process held at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = self.peak = 0
+
+    def __setitem__(self, key, kept: list) -> None:
+        super().__setitem__(key, kept)
+        self.held += _local_bytes(kept)
+        self.peak = max(self.peak, self.held)
+
+    def pop(self, key):
+        kept = super().pop(key)
+        self.held -= _local_bytes(kept)
+        return kept
+
+
+def _local_bytes(arrays: list) -> int:
+    return sum(s.data.nbytes for x in arrays for s in x.addressable_shards)
 
 
 def on_host(x) -> bool:

@@ -238,3 +238,27 @@ def body_fn(eqn):
         return list(out[:nk]), list(out[nk:])
 
     return f
+
+
+def nbytes(avals: Iterable) -> int:
+    """Bytes of values of ``avals`` (avals without a shape, such as tokens, count none)."""
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals if hasattr(a, "shape"))  # PRNG keys too
+
+
+def output_bytes(eqns: Iterable, primitives) -> int:
+    """Bytes of the outputs of the eqns of ``primitives`` in ``eqns``, through the bodies of calls.
+
+    Example:
+        >>> closed, _ = trace(lambda a: (a @ a) @ a, np.ones((4, 4), np.float32))
+        >>> output_bytes(closed.jaxpr.eqns, {"dot_general"})
+        128
+    """
+    total = 0
+    for eqn in eqns:
+        subs = [p.jaxpr if isinstance(p, jc.ClosedJaxpr) else p for p in eqn.params.values()
+                if isinstance(p, jc.ClosedJaxpr | jc.Jaxpr)]
+        if subs:
+            total += sum(output_bytes(sub.eqns, primitives) for sub in subs)
+        elif eqn.primitive.name in primitives:
+            total += nbytes(v.aval for v in eqn.outvars)
+    return total

@@ -1,4 +1,4 @@
-"""The jitted functions of a program's stages: forward, and backward with recomputation.
+"""The jitted functions of a program's stages: forward, and backward with recomputation or from saved residuals.
 
 Every function works on all micro-batches of a step at once: a residual (and an activation)
 carries a leading axis ``A`` of micro-batches, and each function loops over it with ``lax.map``,
@@ -11,7 +11,8 @@ A scan iteration: ``fwd(params, slices, ins, carry, xs) -> (carry, ys)`` and
 ``bwd(params, slices, ins, carry, xs, d_carry, d_ys) -> (d_params, d_slices, d_ins, d_carry, d_xs)``.
 ``params`` and ``slices`` map leaf indices to arrays; ``ins``/``outs`` are lists aligned with the
 stage's residual variables. Backward functions recompute their forward inside the VJP
-(activation checkpointing at stage and layer boundaries).
+(activation checkpointing at stage and layer boundaries); the ``_saving`` forwards and ``_saved``
+backwards instead keep the VJP's residuals from the forward (`zinfjax.program.residuals`).
 
 Example:
     >>> fns = StageFunctions(program, placement)
@@ -24,21 +25,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from zinfjax.program import jaxpr as jx
-
-
-def differentiable(aval) -> bool:
-    """Whether values of ``aval`` carry a gradient (inexact dtypes)."""
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
-
-
-def zero_cotangent(x):
-    """The cotangent of a value that has none: zeros, float0 for integer and key values."""
-    if differentiable(jax.typeof(x) if not hasattr(x, "aval") else x.aval):
-        return jnp.zeros_like(x)
-    return np.zeros(np.shape(x), jax.dtypes.float0)
+from zinfjax.program.residuals import Pullback, apply_saved, differentiable, save_vjp, zero_cotangent
 
 
 def _mean0(tree):
@@ -77,6 +66,7 @@ class StageFunctions:
     def __init__(self, program, placement, micro: int = 1):
         self.program, self.placement, self.micro = program, placement, micro
         self.constants = program.constants
+        self._pullbacks: dict[tuple, Pullback] = {}
 
     def _map(self, f, xs):
         """``lax.map`` over the ``micro`` micro-batches (also when ``xs`` is empty: a stage of parameters only)."""
@@ -179,6 +169,75 @@ class StageFunctions:
                 return vjp_of(f, (params, slices, ins_a, carry_a, xs_a), (dc_a, dy_a))
 
             d_params, d_slices, d_ins, d_carry, d_xs = self._map(one, (ins, carry, xs, d_carry, d_ys))
+            return (self._grads(_mean0(d_params)), self._grads(_mean0(d_slices)), self._rows(d_ins),
+                    self._rows(d_carry), self._rows(d_xs))
+
+        return jax.jit(bwd)
+
+    # ---- saved residuals: backward without recomputation (zinfjax.program.residuals) ----------
+
+    def _pullback(self, key: tuple) -> Pullback:
+        return self._pullbacks.setdefault(key, Pullback())
+
+    @functools.cache  # noqa: B019
+    def whole_fwd_saving(self, position: int):
+        """``fwd(params, ins) -> (outs, kept)``: `whole_fwd`, and the residuals `whole_bwd_saved` takes."""
+        stage, pullback = self._stage(position), self._pullback(("whole", position))
+
+        def fwd(params, ins):
+            params = self._params(params)
+
+            def one(ins_a):
+                return save_vjp(lambda p, i: self._run_whole(stage, p, i), (params, ins_a), list(params.values()),
+                                pullback)
+
+            outs, kept = self._map(one, ins)
+            return self._rows(outs), kept
+
+        return jax.jit(fwd)
+
+    @functools.cache  # noqa: B019
+    def whole_bwd_saved(self, position: int):
+        """``bwd(params, kept, d_outs) -> (d_params, d_ins)``: `whole_bwd` from saved residuals."""
+        pullback = self._pullback(("whole", position))
+
+        def bwd(params, kept, d_outs):
+            params = self._params(params)
+            d_params, d_ins = self._map(lambda a: apply_saved(pullback, a[0], list(params.values()), a[1]),
+                                        (kept, d_outs))
+            return self._grads(_mean0(d_params)), self._rows(d_ins)
+
+        return jax.jit(bwd)
+
+    @functools.cache  # noqa: B019
+    def scan_fwd_saving(self, position: int):
+        """``fwd(params, slices, ins, carry, xs) -> (carry, ys, kept)``: `scan_fwd` and its residuals."""
+        stage, pullback = self._stage(position), self._pullback(("scan", position))
+
+        def fwd(params, slices, ins, carry, xs):
+            params, slices = self._params(params), self._params(slices)
+            shared = [*params.values(), *slices.values()]
+
+            def one(args):
+                f = lambda p, s, i, c, x: self._run_body(stage, p, s, i, c, x)  # noqa: E731
+                (carry_a, ys_a), kept = save_vjp(f, (params, slices, *args), shared, pullback)
+                return carry_a, ys_a, kept
+
+            carry, ys, kept = self._map(one, (ins, carry, xs))
+            return self._rows(carry), self._rows(ys), kept
+
+        return jax.jit(fwd)
+
+    @functools.cache  # noqa: B019
+    def scan_bwd_saved(self, position: int):
+        """``bwd(params, slices, kept, d_carry, d_ys)``: `scan_bwd` from saved residuals, same outputs."""
+        pullback = self._pullback(("scan", position))
+
+        def bwd(params, slices, kept, d_carry, d_ys):
+            params, slices = self._params(params), self._params(slices)
+            shared = [*params.values(), *slices.values()]
+            d_params, d_slices, d_ins, d_carry, d_xs = self._map(
+                lambda a: apply_saved(pullback, a[0], shared, (a[1], a[2])), (kept, d_carry, d_ys))
             return (self._grads(_mean0(d_params)), self._grads(_mean0(d_slices)), self._rows(d_ins),
                     self._rows(d_carry), self._rows(d_xs))
 
