@@ -54,7 +54,8 @@ class Config:
     memory_limit: int | None = None  # None: the cgroup's limit or the available memory, less a margin
     sub_group_size: int | None = None  # parameters per update part; None: parts only when memory needs them
     update_on: str = "auto"  # where the optimizer update runs: device, host, or auto (engine.update_location)
-    recompute: str = "auto"  # rerun each layer's forward in its backward: always, never, or auto (engine/residuals.py)
+    recompute: str = "auto"  # rerun each layer's forward in its backward: always, never or auto (docs/engine.md)
+    max_reuse_distance: int | None = None  # keep parameters for the backward within this distance (engine/reuse.py)
     # numerics
     precision: str = "fp32"
     grad_clip: float = 0.0
@@ -295,6 +296,8 @@ def _validate(c: Config) -> None:
         "a tier is 'nvme' but nvme_path is not set; set nvme_path=/path/on/fast/disk",
     )
     _check(c.prefetch_depth is None or c.prefetch_depth >= 0, f"prefetch_depth={c.prefetch_depth} must be 0 or more")
+    _check(c.max_reuse_distance is None or c.max_reuse_distance >= 0,
+           f"max_reuse_distance={c.max_reuse_distance} must be 0 or more (parameters), or unset")
     _check(c.recompute in RECOMPUTE, f"recompute={c.recompute!r} is not allowed; use {', '.join(RECOMPUTE)}")
     _check(c.update_on in UPDATE_ON, f"update_on={c.update_on!r} is not allowed; use {', '.join(UPDATE_ON)}")
     _check(c.update_on != "host" or c.optimizer != "device",
@@ -357,6 +360,9 @@ KEY_DOCS = {
     "recompute": "rerun each layer's forward inside its backward (activation checkpointing): always; never (keep "
                  "every layer's backward residuals in device memory); or auto (never when the residuals fit the "
                  "memory budget with room to spare, else always)",
+    "max_reuse_distance": "keep a layer's parameters from its forward for its backward when fewer than this many "
+                          "parameters are read in between, as DeepSpeed's stage3_max_reuse_distance; default: "
+                          "none kept",
     "precision": "fp32, bf16 or fp16 compute (master weights stay fp32)",
     "grad_clip": "global-norm gradient clipping threshold; 0 is off",
     "grad_accum": "micro-batches per optimizer step",

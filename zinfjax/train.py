@@ -193,6 +193,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
         log["host_memory_kind"] = trainer.engine.host_kind
         log["recompute"] = not trainer.engine.saves_residuals  # whether each backward reruns its forward
         log["residual_bytes_bound"] = trainer.engine.residual_bytes  # what recompute=auto counted them at, at most
+        log["reused_layers"] = len(trainer.engine.reuse)  # layers whose parameters the backward took from the forward
         log["staging_memory"] = trainer.engine.stores.pool.stats()["memory"]  # NVMe staging: pinned_host or pageable
         if trainer.engine.host_kind_fallback:
             log["host_memory_fallback"] = trainer.engine.host_kind_fallback

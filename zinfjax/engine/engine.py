@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from zinfjax import allocator
 from zinfjax.byte_sizes import format_bytes
 from zinfjax.config import Config
-from zinfjax.engine import crash_marker
+from zinfjax.engine import crash_marker, reuse
 from zinfjax.engine.budget import (
     LIVE_BASE,
     NVME_MMAP_THRESHOLD,
@@ -161,7 +161,9 @@ class Engine:
         self._tied = self._tied_groups()
         specs, acts = store_specs(config, program, self.plan, self.placement, self.compute_dtype)
         self.residual_bytes = self._residual_bytes()
-        self.parts, self.budget, read, self.saves_residuals = self._plan_memory(specs, list(acts.values()))
+        self.parts, self.budget, needs, self.saves_residuals = self._plan_memory(specs, list(acts.values()))
+        self.reuse, self.budget = self._plan_reuse(specs, needs)
+        read = needs[0]
         # While the state is written at the start, no step holds its operations' memory: writes may use it.
         self._write_bound = self.budget.write_bytes_in_flight + LIVE_BASE * read
         if config.uses_nvme and memory_capped(config, self.budget):  # freed layer buffers leave the heap at once
@@ -197,8 +199,8 @@ class Engine:
         total = residual_bytes(self.program, self.micro)
         return total * len(self.mesh.local_devices) // self.mesh.shape["data"]
 
-    def _plan_memory(self, specs, acts) -> tuple[dict, BudgetPlan, int, bool]:
-        """The update parts, the memory budget's plan, the largest operation's reads, and whether the
+    def _plan_memory(self, specs, acts) -> tuple[dict, BudgetPlan, tuple, bool]:
+        """The update parts, the memory budget's plan, its needs (`budget_needs`), and whether the
         backward keeps the forward's residuals instead of recomputing it (`_plan`).
 
         Layers are updated whole while the budget holds that with room (a roomy budget): fewer
@@ -214,9 +216,9 @@ class Engine:
             except MemoryBudgetError:
                 plan = None
             if plan is not None and not plan.lean:
-                return {}, plan, whole[0], saves
+                return {}, plan, whole, saves
         needs = budget_needs(specs, acts, platform, parts)
-        return parts, *self._plan(*needs), needs[0]
+        return parts, *self._plan(*needs), needs
 
     def _plan(self, read: int, write: int, resident: int) -> tuple[BudgetPlan, bool]:
         """The budget's plan, and whether the residuals are kept (``recompute``; docs/engine.md, "Recomputation").
@@ -239,6 +241,24 @@ class Engine:
         if mode == "never" or not plan.lean:
             return plan, True
         return plan_budget(self.config, read, write, resident), False
+
+    def _plan_reuse(self, specs, needs: tuple) -> tuple[frozenset, BudgetPlan]:
+        """The scan iterations whose parameters the backward takes from the forward (``max_reuse_distance``,
+        `zinfjax.engine.reuse`), and the budget's plan holding them too; refused in one line if it cannot."""
+        limit, base = self.config.max_reuse_distance, self.budget
+        kept = reuse.choose(reuse.candidates(self.program, specs), limit)
+        if not kept or self.mesh.devices.flat[0].platform != "cpu":  # on an accelerator they are in device memory
+            return frozenset(c.key for c in kept), base
+        read, write, resident = needs
+        held = resident + (self.residual_bytes if self.saves_residuals else 0)
+        nbytes = sum(c.nbytes for c in kept)
+        try:
+            plan = plan_budget(self.config, read, write, held + nbytes, baseline=base.baseline)
+        except MemoryBudgetError:
+            raise MemoryBudgetError(
+                f"max_reuse_distance={limit} keeps {len(kept)} layers' parameters ({format_bytes(nbytes)}), more "
+                f"than the memory budget of {format_bytes(base.limit)} ({base.source}) holds; lower it") from None
+        return frozenset(c.key for c in kept), plan
 
     def _check_micro_batch(self) -> None:
         data = self.mesh.shape["data"]
@@ -430,6 +450,7 @@ class _Step:
         self.pending: dict = {}  # (group, i) -> (its params, {leaf: gradient}) until its update parts have run
         self.written: set = set()  # (acts position, i) and ("grads", group, i) once written
         self.kept = _Kept()  # a stage's (or scan iteration's) saved residuals until its backward
+        self.held = reuse.Held()  # parameters the forward read, kept for the backward (engine.reuse)
         self.final_carry: dict = {}  # each scan's last carry, by position: the shape of its cotangent
         self.partials: dict = {}
         self.finite: list = []
@@ -530,6 +551,8 @@ class _Step:
 
             def run(trees, i=i, s_groups=s_groups):
                 slices = self._values(stage.streams, s_groups, trees)
+                if (stage.position, i) in self.e.reuse:
+                    self.held.keep((stage.position, i), trees)
                 ins = [self.env[v] for v in stage.const_vars]
                 xs = [self.env[v][:, i] for v in stage.xs_vars]
                 args = (f"{label(self.p, stage)}_fwd", i)
@@ -623,6 +646,10 @@ class _Step:
         ops = [Op("scan_bwd_begin", stage.position, reads, begin)]
         for i in reversed(stage.order()):
             s_groups, s_reads = self._param_reads(stage.streams, i)
+            if (stage.position, i) in self.e.reuse:
+                key = (stage.position, i)
+                s_reads = [Read(r.track, self.held.slot(key, k), i, ready=lambda key=key: self.held.has(key))
+                           for k, r in enumerate(s_reads)]
             act = [] if self.e.saves_residuals else [
                 Read(f"acts_{label(self.p, stage)}", acts, i, ready=lambda i=i: (stage.position, i) in self.written)]
             extra = []

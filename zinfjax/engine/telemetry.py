@@ -110,6 +110,8 @@ class StepTelemetry:
         self.events += reads.events
         for group in reads.groups:
             for r in group:
+                if r.store.tier is None:  # parameters the forward kept (engine/reuse.py): nothing read
+                    continue
                 self.per_device[f"read_bytes_{r.store.tier}_per_device"] += self._bytes(r.store, "read", r.keys)
                 if r.store.tier != "device" and r.memory_kind == "device":
                     self.link_bytes += r.store.part_nbytes(r.keys)
