@@ -218,7 +218,8 @@ class Engine:
             if plan is not None and not plan.lean:
                 return {}, plan, whole, saves
         needs = budget_needs(specs, acts, platform, parts)
-        return parts, *self._plan(*needs), needs
+        plan, saves = self._plan(*needs)
+        return parts, plan, needs, saves
 
     def _plan(self, read: int, write: int, resident: int) -> tuple[BudgetPlan, bool]:
         """The budget's plan, and whether the residuals are kept (``recompute``; docs/engine.md, "Recomputation").
