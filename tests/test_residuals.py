@@ -49,6 +49,9 @@ def test_the_saved_pullback_is_the_vjp_and_keeps_no_parameter():
     assert sorted(k.shape for k in kept) == [(), (4, 16), (4, 16), (4, 16)]
 
 
+STEPS = 10  # the reference comparisons elsewhere run 20; these two modes run three times each case
+
+
 def _never_and_always(c: Config, steps: int):
     never = engine_run(c.replace(recompute="never"), steps)
     always = engine_run(c.replace(recompute="always"), steps)
@@ -61,8 +64,8 @@ def _never_and_always(c: Config, steps: int):
 ])
 def test_saved_residuals_follow_the_reference_trainer(tmp_path, keys):
     c = config(**keys, nvme_path=str(tmp_path / "nvme"))
-    ref_losses, ref_params = reference_run(c)
-    (losses, params, metrics), (re_losses, re_params, re_metrics) = _never_and_always(c, 20)
+    ref_losses, ref_params = reference_run(c, STEPS)
+    (losses, params, metrics), (re_losses, re_params, re_metrics) = _never_and_always(c, STEPS)
     rtol = 1e-6 if c.precision == "fp32" else 2e-2
     np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
     assert relative_error(ref_params, params) < (1e-6 if c.precision == "fp32" else 2e-2)
