@@ -78,6 +78,23 @@ def test_pool_reuses_buffers_and_stays_under_capacity():
     big.release()
 
 
+def test_a_kept_larger_buffer_serves_a_smaller_request_within_the_capacity():
+    """Slices of several sizes (a bf16 compute copy, an fp32 master, Adam's state) share one pool: a kept
+    buffer that holds a request serves it, instead of being dropped for a fresh one's page faults."""
+    pool = BufferPool(4096 * 4)
+    big = pool.acquire(4096 * 3)
+    addr = big.address
+    big.release()
+    small = pool.acquire(4096)
+    assert small.address == addr and small.nbytes == 4096 * 3
+    assert pool.in_use_bytes == 4096 * 3  # counted at its real size
+    other = pool.acquire(4096)  # no room beside it for the kept size: a fresh buffer of its own
+    assert other.nbytes == 4096 and pool.in_use_bytes == 4096 * 4 <= pool.capacity_bytes
+    small.release()
+    other.release()
+    assert pool.resident_bytes <= pool.capacity_bytes and pool.in_use_bytes == 0
+
+
 def test_read_ahead_follows_the_schedule_and_the_pool_bounds_it(tmp_path):
     pool = _CountingPool(2 * LAYER_BYTES + 256)  # room for two layers, well below depth 4
     schedule = list(range(L)) + list(reversed(range(L)))
