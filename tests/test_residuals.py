@@ -60,7 +60,7 @@ def _never_and_always(c: Config, steps: int):
 
 @pytest.mark.parametrize("keys", [
     dict(params="nvme", optimizer="nvme", activations="nvme", stage=3),
-    # bf16 with micro-batches runs the saved path throughout test_mixed_precision too (recompute=auto keeps them)
+    # a wide corner: bf16 (test_mixed_precision) and micro-batches (test_engine_stages) run the saved path by default
     pytest.param(dict(precision="bf16", optimizer="host", grad_accum=2, mesh="data:2"), marks=pytest.mark.wide),
 ])
 def test_saved_residuals_follow_the_reference_trainer(tmp_path, keys):
