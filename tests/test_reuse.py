@@ -1,9 +1,8 @@
 """Parameters kept from the forward for the backward (``max_reuse_distance``): exact, fewer reads, budgeted."""
 
-import numpy as np
 import pytest
 
-from tests.engine_helpers import config, engine_run, make_engine, reference_run, relative_error
+from tests.engine_helpers import config, engine_run, make_engine, relative_error
 from zinfjax import Config
 from zinfjax.engine import reuse
 from zinfjax.engine.budget import MemoryBudgetError, minimum_bytes
@@ -12,14 +11,13 @@ from zinfjax.engine.store_plan import budget_needs
 from zinfjax.errors import ConfigError
 
 
-def test_reuse_reads_less_and_follows_the_reference_trainer(tmp_path):
+def test_reuse_reads_less_and_is_bitwise_the_run_without(tmp_path):
     c = config(stage=3, params="nvme", optimizer="nvme", nvme_path=str(tmp_path / "nvme"), max_reuse_distance=10**9)
-    ref_losses, ref_params = reference_run(c, steps=10)
-    losses, params, metrics = engine_run(c, steps=10)
-    none_losses, none_params, none_metrics = engine_run(c.replace(max_reuse_distance=None), steps=10)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
-    assert relative_error(ref_params, params) < 1e-6
-    # The kept tree is the one the forward read: the backward computes on the same values.
+    losses, params, metrics = engine_run(c, steps=5)
+    none_losses, none_params, none_metrics = engine_run(c.replace(max_reuse_distance=None), steps=5)
+    # The kept tree is the one the forward read: the backward computes on the same values, so a run with
+    # reuse is bitwise the run without, which test_engine_exact holds to the reference trainer.
+    assert losses[-1] < losses[0]
     assert losses == none_losses
     assert relative_error(none_params, params) == 0.0
     engine = make_engine(c)
