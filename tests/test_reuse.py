@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.engine_helpers import config, engine_run, make_engine, relative_error
+from tests.engine_helpers import assert_bitwise, config, engine_run, make_engine
 from zinfjax import Config
 from zinfjax.engine import reuse
 from zinfjax.engine.budget import MemoryBudgetError, minimum_bytes
@@ -19,7 +19,7 @@ def test_reuse_reads_less_and_is_bitwise_the_run_without(tmp_path):
     # reuse is bitwise the run without, which test_engine_exact holds to the reference trainer.
     assert losses[-1] < losses[0]
     assert losses == none_losses
-    assert relative_error(none_params, params) == 0.0
+    assert_bitwise(none_params, params)
     engine = make_engine(c)
     try:
         kept = sum(c.nbytes for c in reuse.candidates(engine.program, _specs(engine)) if c.key in engine.reuse)
