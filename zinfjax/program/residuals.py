@@ -60,14 +60,19 @@ class Pullback:
     def __init__(self):
         self.tree = None
 
-    @property
-    def traced(self) -> bool:
-        return self.tree is not None
 
-
-def _split(primals: tuple):
+def of_differentiable(f, primals: tuple):
+    """``f`` as a function of the inexact leaves of ``primals`` alone (the others held fixed): ``(g, those
+    leaves, all leaves, their tree, which are inexact)``; `save_vjp` and the recomputing VJP both take it."""
     flat, tree = jax.tree_util.tree_flatten(primals)
-    return flat, tree, [differentiable(jax.typeof(x)) for x in flat]
+    diff = [differentiable(jax.typeof(x)) for x in flat]
+
+    def g(*kept):
+        it = iter(kept)
+        full = [next(it) if d else x for x, d in zip(flat, diff, strict=True)]
+        return f(*jax.tree_util.tree_unflatten(tree, full))
+
+    return g, [x for x, d in zip(flat, diff, strict=True) if d], flat, tree, diff
 
 
 def save_vjp(f, primals: tuple, shared: list, pullback: Pullback):
@@ -75,14 +80,8 @@ def save_vjp(f, primals: tuple, shared: list, pullback: Pullback):
 
     ``primals`` is a tuple of pytrees; only inexact leaves are differentiated.
     """
-    flat, tree, diff = _split(primals)
-
-    def g(*kept):
-        it = iter(kept)
-        full = [next(it) if d else x for x, d in zip(flat, diff, strict=True)]
-        return f(*jax.tree_util.tree_unflatten(tree, full))
-
-    out, vjp = jax.vjp(jax.checkpoint(g, policy=_kept), *[x for x, d in zip(flat, diff, strict=True) if d])
+    g, keep, flat, tree, diff = of_differentiable(f, primals)
+    out, vjp = jax.vjp(jax.checkpoint(g, policy=_kept), *keep)
     leaves, pullback.tree = jax.tree_util.tree_flatten(vjp)
     pullback.refs = [next((j for j, s in enumerate(shared) if leaf is s), None) for leaf in leaves]
     pullback.primals = (tree, diff, [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in flat])

@@ -27,7 +27,14 @@ import jax
 import jax.numpy as jnp
 
 from zinfjax.program import jaxpr as jx
-from zinfjax.program.residuals import Pullback, apply_saved, differentiable, save_vjp, zero_cotangent
+from zinfjax.program.residuals import (
+    Pullback,
+    apply_saved,
+    differentiable,
+    of_differentiable,
+    save_vjp,
+    zero_cotangent,
+)
 
 
 def _mean0(tree):
@@ -39,15 +46,7 @@ def vjp_of(f, primals: tuple, cotangents):
 
     ``primals`` is a tuple of pytrees; only inexact leaves are differentiated.
     """
-    flat, tree = jax.tree_util.tree_flatten(primals)
-    diff = [differentiable(jax.typeof(x)) for x in flat]
-    keep = [x for x, d in zip(flat, diff, strict=True) if d]
-
-    def g(*kept):
-        it = iter(kept)
-        full = [next(it) if d else x for x, d in zip(flat, diff, strict=True)]
-        return f(*jax.tree_util.tree_unflatten(tree, full))
-
+    g, keep, flat, tree, diff = of_differentiable(f, primals)
     out, vjp = jax.vjp(g, *keep)
     cts = jax.tree.map(lambda c, o: c if differentiable(jax.typeof(o)) else zero_cotangent(o), cotangents, out)
     grads = iter(vjp(cts))
