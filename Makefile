@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-all lint clean
+.PHONY: demo test test-all fuzz lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ test-all: $(STAMP)  # the wide corners of the test matrices too
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15
+
+fuzz: $(STAMP)  # the property tests with a fresh draw each run (make test draws the same examples every time)
+	HYPOTHESIS_PROFILE=explore $(VENV)/bin/pytest -q tests/test_fuzz.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -13,10 +13,12 @@ at the budget given here), so the comparison is of the steady state.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -94,3 +96,25 @@ def test_the_heap_is_kept_lean_only_when_memory_is_capped():
     assert memory_capped(Config(), cgroup)
     assert memory_capped(Config(host_buffer_bytes=64 << 20), available)
     assert memory_capped(Config(memory_limit=2 << 30), available)
+
+
+
+def test_a_closed_engine_leaves_its_compiled_functions_to_the_collector(tmp_path):
+    """Once its engine is closed and the layout cache lets go, nothing keeps an engine's compiled functions.
+
+    ``functools.cache`` on the stage and unit methods once kept every instance, and every executable,
+    for the life of the process: 55 MB a gpt2-tiny engine on 8 devices, 18 GB in one test worker.
+    """
+    from tests.engine_helpers import batches, config, make_engine
+    from zinfjax.engine.engine import compiled, update_plan
+
+    c = config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), stage=3)
+    engine = make_engine(c)
+    engine.train_step(next(batches(c)))
+    held = {name: weakref.ref(getattr(engine, name)) for name in ("stage_fns", "plan", "units")}
+    engine.close()
+    del engine
+    compiled.cache_clear()
+    update_plan.cache_clear()
+    gc.collect()
+    assert [name for name, ref in held.items() if ref() is not None] == []

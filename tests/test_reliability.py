@@ -266,6 +266,22 @@ def test_4_a_corrupt_chunk_is_found_by_verify_and_skipped_by_resume(capsys, save
     assert cli(capsys, "ckpt", "info", save_dir, "--verify")[0] == 0  # step 4 saved again, whole
 
 
+def test_4_a_leaf_claiming_a_billion_layers_is_corrupt_at_once_in_bounded_memory(save_dir):
+    """zinfjax.json's sizes are checked against zarr.json before any loop is sized from them (a walk over
+    the claimed chunk grid once built it whole: 36 GB of Python ints, found by test_fuzz in CI)."""
+    meta_path = save_dir / "4" / "zinfjax.json"
+    meta = json.loads(meta_path.read_text())
+    meta["items"]["params"]["blocks.fc.kernel"]["shape"][0] = 10**9
+    meta_path.write_text(json.dumps(meta))
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # 2 GiB of address space\n"
+            "from zinfjax.checkpoint.verify import verify_save_dir\n"
+            f"print([c.describe() for c in verify_save_dir({str(save_dir)!r})])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(["step 2: complete", "step 4: corrupt (params/blocks.fc.kernel: zarr.json and "
+                                      "zinfjax.json disagree on the shape, dtype or chunks)"])
+
+
 # ---- 5. an unwritable log -------------------------------------------------------------------------------
 
 

@@ -42,6 +42,7 @@ META_SCHEMA = {
         "data_position": _COUNT,
         "seed": {"type": "integer"},
         "loss_scale": {"type": "number", "exclusiveMinimum": 0},
+        "loss_scale_good": _COUNT,
         "precision": {"type": "string"},
         "num_layers": _COUNT,
         "processes": {"type": "integer", "minimum": 1},

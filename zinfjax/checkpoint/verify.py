@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import json
 import math
 import os
 
@@ -95,12 +95,31 @@ def _problem(directory: str, step: int | None, checksums: bool) -> tuple[str, st
     return None
 
 
+_SIZES = ("shape", "data_type", "chunk_grid")
+
+
+def _array_metadata(leaf_dir: str) -> dict | None:
+    """A leaf's ``zarr.json``, parsed; None when it is missing, ``{}`` when it is not a JSON object."""
+    try:
+        with open(os.path.join(leaf_dir, "zarr.json")) as f:
+            found = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def _leaf_problem(leaf_dir: str, meta: dict, slots: dict, checksums: bool) -> tuple[str, str] | None:
-    if not os.path.isfile(os.path.join(leaf_dir, "zarr.json")):
+    array = _array_metadata(leaf_dir)
+    if array is None:
         return PARTIAL, "zarr.json is missing"
+    said = {k: fmt.zarr_metadata(meta)[k] for k in _SIZES}
+    if {k: array.get(k) for k in _SIZES} != said:  # before any loop or buffer is sized from either
+        return CORRUPT, f"zarr.json and {fmt.META} disagree on the shape, dtype or chunks"
     nbytes = math.prod(meta["chunk_shape"]) * np.dtype(meta["dtype"]).itemsize
-    grid = [range(-(-n // c)) for n, c in zip(meta["shape"], meta["chunk_shape"], strict=True)]
-    for index in itertools.product(*grid):
+    grid = [-(-n // c) for n, c in zip(meta["shape"], meta["chunk_shape"], strict=True)]
+    for index in np.ndindex(*grid):  # lazily: itertools.product would first build every range whole
         path = chunkfile.chunk_path(leaf_dir, index)
         where = "c/" + "/".join(map(str, index)) if index else "c"
         try:

@@ -87,7 +87,7 @@ class LossScale:
             self.scale, self.good = self.scale * 2, 0
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=4)
 def compiled(program: Program, tx: optax.GradientTransformation, rules: ShardingRules, mesh: Mesh, compute_dtype,
              micro: int = 1, on_host: bool = False, params_kind: str = "device", host_kind: str = "pinned_host"):
     """The placement, stage functions, update plan and unit functions of one layout (shared by its engines)."""
@@ -114,7 +114,7 @@ def update_location(config: Config, mesh: Mesh) -> str:
     return "host" if accelerator and config.optimizer != "device" else "device"
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=4)
 def update_plan(tx: optax.GradientTransformation, program: Program) -> UpdatePlan:
     """``tx`` cut into per-unit functions for ``program`` (see `UpdatePlan`), shared by the engines of both."""
     return UpdatePlan(tx, program)

@@ -19,12 +19,11 @@ Example:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 
+from zinfjax.program.memo import instance_cache
 from zinfjax.program.optimizer import UpdatePlan
 from zinfjax.program.split import Program
 
@@ -95,7 +94,7 @@ class Units:
         paths = [leaf.path for leaf in self.program.leaves_of(group) if part is None or leaf.index in part]
         return paths, [s.path for s in self.plan.part_state(group, part)]
 
-    @functools.cache  # noqa: B019 - compiled once per (group, sweep, size, donate, part) for the life of the units
+    @instance_cache  # compiled once per (group, sweep, size, donate, part) for the life of the units
     def update(self, group: str, sweep: int, size: int | None, donate: tuple[int, ...] = (),
                part: tuple[int, ...] | None = None):
         """A jitted ``f(master, grads, state, globals, totals, start, grad_div) -> (partials, compute, master, state)``.
@@ -131,7 +130,7 @@ class Units:
 
         return jax.jit(f, donate_argnums=donate)
 
-    @functools.cache  # noqa: B019
+    @instance_cache
     def init(self, group: str, size: int | None, part: tuple[int, ...] | None = None):
         """A jitted ``f(params, start) -> (compute, master, state)``: a unit's initial state from its parameters
         (those of the leaves ``part`` only, when given)."""
@@ -148,7 +147,7 @@ class Units:
 
         return jax.jit(f)
 
-    @functools.cache  # noqa: B019
+    @instance_cache
     def spool(self, group: str):
         """A jitted ``f(grads) -> (fp32 grads, all finite)``: gradients on their way to the gradient tier."""
         paths = [leaf.path for leaf in self.program.leaves_of(group)]

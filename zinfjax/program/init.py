@@ -16,13 +16,12 @@ Example:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 
 from zinfjax.errors import UserError
 from zinfjax.program import jaxpr as jx
 from zinfjax.program import rows
+from zinfjax.program.memo import instance_cache
 from zinfjax.program.split import store_slice
 
 
@@ -89,7 +88,7 @@ class InitSource:
 
     # ---- evaluation ----------------------------------------------------------------------------
 
-    @functools.cache  # noqa: B019 - one compile per row-chunked leaf
+    @instance_cache  # one compile per row-chunked leaf
     def _chunk_fn(self, index: int):
         """``f(rng, lo)``: one row chunk of a row-chunked leaf, computed alone (`rows.row_chunk`); else None."""
         leaf = self.program.leaves[index]
@@ -111,7 +110,7 @@ class InitSource:
             self._whole = {group: self._whole_fn(group)(self.rng)}
         return self._whole[group]
 
-    @functools.cache  # noqa: B019 - one compile per group, for the life of the source
+    @instance_cache  # one compile per group, for the life of the source
     def _whole_fn(self, group: str):
         jaxpr = self.closed.jaxpr
         leaves = [leaf.index for leaf in self.program.leaves_of(group)
@@ -133,7 +132,7 @@ class InitSource:
             self._layer = {key: self._body_fn(eqn)(*inputs, i)}
         return self._layer[key]
 
-    @functools.cache  # noqa: B019
+    @instance_cache
     def _scan_inputs(self, eqn) -> tuple:
         """The scan's consts and stacked xs, computed once (keys and the like: small)."""
         jaxpr = self.closed.jaxpr
@@ -148,7 +147,7 @@ class InitSource:
 
         return jax.jit(f)(self.rng)
 
-    @functools.cache  # noqa: B019
+    @instance_cache
     def _body_fn(self, eqn):
         """``f(consts, xs, i) -> ys of iteration i``, with the carry dropped when the parameters do not need it."""
         body = eqn.params["jaxpr"]

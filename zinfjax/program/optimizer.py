@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,7 @@ import numpy as np
 import optax
 
 from zinfjax.program import jaxpr as jx
+from zinfjax.program.memo import instance_cache
 from zinfjax.program.slicing import (
     CALLS,
     UNTAGGED,
@@ -183,7 +183,7 @@ class UpdatePlan:
         """The state leaves of ``group`` that belong to the parameter leaves ``part`` (all when None)."""
         return [s for s in self.state_of(group) if part is None or s.param in part]
 
-    @functools.cache  # noqa: B019 - computed once per group
+    @instance_cache  # computed once per group
     def separable(self, group: str) -> bool:
         """Whether each leaf of ``group`` is updated (and initialised) from its own parameter, gradient and
         state alone, with the global state: then a part of the group's leaves can be updated without the rest.
@@ -207,7 +207,7 @@ class UpdatePlan:
                 return False
         return True
 
-    @functools.cache  # noqa: B019 - one compiled function per (group, sweep, slice size, part), for the plan's life
+    @instance_cache  # one compiled function per (group, sweep, slice size, part), for the plan's life
     def unit(self, group: str, sweep: int, size: int | None = None, part: tuple[int, ...] | None = None):
         """A jitted ``f(params, grads, state, globals, totals, start) -> (partials, new_params, new_state)``.
 
@@ -244,7 +244,7 @@ class UpdatePlan:
 
         return jax.jit(f)
 
-    @functools.cache  # noqa: B019
+    @instance_cache
     def finish(self):
         """A jitted ``f(globals, totals) -> new globals``: the global state after the last sweep."""
         jaxpr = self.u_closed.jaxpr
@@ -261,7 +261,7 @@ class UpdatePlan:
 
         return jax.jit(f)
 
-    @functools.cache  # noqa: B019
+    @instance_cache
     def init_unit(self, group: str, size: int | None = None, part: tuple[int, ...] | None = None):
         """A jitted ``f(params, start) -> state``: the unit's share of ``tx.init`` (streamed axis kept);
         ``part`` as for `unit`."""

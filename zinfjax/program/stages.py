@@ -21,12 +21,11 @@ Example:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from zinfjax.program import jaxpr as jx
+from zinfjax.program.memo import instance_cache
 from zinfjax.program.residuals import (
     Pullback,
     apply_saved,
@@ -91,7 +90,7 @@ class StageFunctions:
         env = jx.evaluate(stage.eqns, env)
         return [jx.read(env, v) for v in stage.outputs]
 
-    @functools.cache  # noqa: B019 - one set of compiled functions per program, kept as long as it is
+    @instance_cache  # one set of compiled functions per program, kept as long as it is
     def whole_fwd(self, position: int):
         stage = self._stage(position)
 
@@ -101,7 +100,7 @@ class StageFunctions:
 
         return jax.jit(fwd)
 
-    @functools.cache  # noqa: B019
+    @instance_cache
     def whole_bwd(self, position: int):
         stage = self._stage(position)
 
@@ -139,7 +138,7 @@ class StageFunctions:
         consts, carry, xs_ops = self._operands(stage, params, slices, ins, carry, xs)
         return jx.body_fn(stage.eqn)(consts, carry, xs_ops)
 
-    @functools.cache  # noqa: B019
+    @instance_cache
     def scan_fwd(self, position: int):
         stage = self._stage(position)
 
@@ -155,7 +154,7 @@ class StageFunctions:
 
         return jax.jit(fwd)
 
-    @functools.cache  # noqa: B019
+    @instance_cache
     def scan_bwd(self, position: int):
         stage = self._stage(position)
 
@@ -178,7 +177,7 @@ class StageFunctions:
     def _pullback(self, key: tuple) -> Pullback:
         return self._pullbacks.setdefault(key, Pullback())
 
-    @functools.cache  # noqa: B019
+    @instance_cache
     def whole_fwd_saving(self, position: int):
         """``fwd(params, ins) -> (outs, kept)``: `whole_fwd`, and the residuals `whole_bwd_saved` takes."""
         stage, pullback = self._stage(position), self._pullback(("whole", position))
@@ -195,7 +194,7 @@ class StageFunctions:
 
         return jax.jit(fwd)
 
-    @functools.cache  # noqa: B019
+    @instance_cache
     def whole_bwd_saved(self, position: int):
         """``bwd(params, kept, d_outs) -> (d_params, d_ins)``: `whole_bwd` from saved residuals."""
         pullback = self._pullback(("whole", position))
@@ -208,7 +207,7 @@ class StageFunctions:
 
         return jax.jit(bwd)
 
-    @functools.cache  # noqa: B019
+    @instance_cache
     def scan_fwd_saving(self, position: int):
         """``fwd(params, slices, ins, carry, xs) -> (carry, ys, kept)``: `scan_fwd` and its residuals."""
         stage, pullback = self._stage(position), self._pullback(("scan", position))
@@ -227,7 +226,7 @@ class StageFunctions:
 
         return jax.jit(fwd)
 
-    @functools.cache  # noqa: B019
+    @instance_cache
     def scan_bwd_saved(self, position: int):
         """``bwd(params, slices, kept, d_carry, d_ys)``: `scan_bwd` from saved residuals, same outputs."""
         pullback = self._pullback(("scan", position))
