@@ -1,7 +1,7 @@
 """Any Flax model through `zinfjax.wrap(state, config, loss_fn=...)`: the examples' own models, streamed exactly.
 
 For each example model (a Linen ViT with a class token, a Linen BERT masked LM with an attention
-mask and dropout, an NNX Llama with `nnx.scan` blocks), 20 steps through `wrap` with every tier
+mask and dropout, an NNX Llama with `nnx.scan` blocks), 10 steps through `wrap` with every tier
 on NVMe equal the plain in-memory optax loop over the same `loss_fn`, the same batches and the
 same keys: losses within 1e-6 relative, parameters within 1e-6 (whole-tree relative L2), at the learning
 rate of the other exactness tests (1e-3: Adam carries a gradient's rounding noise as far as the
@@ -31,7 +31,7 @@ from zinfjax.data import Batches, load_tokens
 from zinfjax.in_memory import micro_batches
 from zinfjax.sharding import batch_sharding, make_mesh, replicated
 
-STEPS = 20
+STEPS = 10
 NVME = dict(params="nvme", optimizer="nvme", gradients="nvme", activations="nvme")
 
 

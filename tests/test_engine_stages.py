@@ -26,7 +26,7 @@ from tests.engine_helpers import (
 from zinfjax.benchmarks.state_table import abstract_params
 from zinfjax.sharding import PERSISTENCE_THRESHOLD
 
-STEPS = 20
+STEPS = 10
 TOL = 1e-5
 # One run per stage, and each mesh once, by default; the rest of the matrix is ``wide`` (make test-all).
 REPRESENTATIVE = {("data:1", 0), ("data:2", 1), ("data:4", 2), ("data:8", 3), ("data:2,model:4", 3),
