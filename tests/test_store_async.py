@@ -128,6 +128,19 @@ def test_prefetch_depth_is_respected(tmp_path, depth):
     assert prefetcher.max_ahead == depth
 
 
+def test_small_groups_are_read_further_ahead_within_depth_largest_groups_bytes(tmp_path):
+    """Depth 1 after a group of 4 layers: the single-layer groups behind it go 4 ahead (its bytes), not 1."""
+    with open_store("host", _like(), path=str(tmp_path)) as store:
+        store.write_all(jax.tree.map(lambda *x: np.stack(x), *[_layer(i) for i in range(L)]))
+        groups = [[Read("w", store, i) for i in range(4)]] + [[Read("w", store, i)] for i in range(L)]
+        prefetcher = ReadAhead(groups, depth=1)
+        ahead = []
+        for k, _ in enumerate(prefetcher):
+            ahead.append(len({id(e) for e in prefetcher.events}) - sum(len(g) for g in groups[: k + 1]))
+    assert prefetcher.max_ahead == 4  # 4 one-layer groups hold the bytes of the 4-layer group
+    assert max(ahead) == 4
+
+
 def test_read_after_write_sees_the_last_write_under_concurrency(tmp_path):
     pool = BufferPool(3 * LAYER_BYTES)
     with open_store("nvme", _like(), path=str(tmp_path), pool=pool, write_threads=4, read_threads=4) as store:

@@ -6,16 +6,19 @@ benchmark all read through it.
 The order of every read in a step is known before the step starts. A group holds the
 reads one operation's compute needs (a layer's parameters and activation checkpoint, its
 optimizer state or a part of it). `ReadAhead` keeps the next ``depth`` groups in flight while
-the consumer works on the current one: counted in groups, not bytes, so that at most ``depth``
-layers' parameters wait on the device ahead of compute (a forward layer reads a fraction of a
-backward one's bytes). A read may carry a readiness test (an activation checkpoint must be
-written before it is read back); issuing stops at the first group that is not ready.
+the consumer works on the current one, and more while the groups ahead hold no more bytes than
+``depth`` of the schedule's largest group: the bound on memory is that of ``depth`` groups, and
+small groups (the 29 vocabulary chunks of gpt2-small's embedding, each a few milliseconds of
+compute behind its optimizer state's read) are read far enough ahead that the disk keeps pace.
+A read may carry a readiness test (an activation checkpoint must be written before it is read
+back); issuing stops at the first group that is not ready.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -52,8 +55,10 @@ class ReadEvent:
 class ReadAhead:
     """Yields each group's results (a list, in the group's order), keeping ``depth`` groups ahead.
 
-    ``depth=0`` reads each group on demand. ``max_ahead`` is the most groups that were in flight
-    beyond the one being consumed; ``events`` has one `ReadEvent` per read, in issue order.
+    ``depth=0`` reads each group on demand. Beyond ``depth`` groups, a group is issued while the groups
+    ahead of the one consumed, with it, hold at most ``depth`` times the largest group's bytes
+    (``store.part_nbytes``). ``max_ahead`` is the most groups that were in flight beyond the one being
+    consumed; ``events`` has one `ReadEvent` per read, in issue order.
 
     Example:
         >>> groups = [[Read("params", store, i)] for i in range(L)]   # doctest: +SKIP
@@ -66,6 +71,11 @@ class ReadAhead:
             raise ReadAheadError(f"prefetch depth={depth} must be 0 or more; set prefetch_depth=0 or above")
         self.groups = [list(g) for g in groups]
         self.depth = depth
+        sizes = [_bytes_by_kind(g) for g in self.groups]
+        kinds = {kind for size in sizes for kind in size}
+        # per memory kind, so that neither device nor host memory holds more than `depth` groups' worth
+        self._allowance = {kind: depth * max(size.get(kind, 0) for size in sizes) for kind in kinds}
+        self._ends = list(itertools.accumulate(sizes, lambda a, b: a + b))  # bytes of groups 0..k, per kind
         self.events: list[ReadEvent] = []
         self.stall_s = 0.0
         self.max_ahead = 0
@@ -96,12 +106,17 @@ class ReadAhead:
         """Issues group ``current`` if not yet, then up to ``depth`` groups after it."""
         while self._issued < len(self.groups):
             k = self._issued
-            if k > current + self.depth:
+            if k > current + self.depth and not self._within_allowance(current, k):
                 return
             group = self.groups[k]
             if k > self._consumed and not all(r.ready is None or r.ready() for r in group):
                 return
             self._issue(group)
+
+    def _within_allowance(self, current: int, k: int) -> bool:
+        """Whether groups ``current+1..k`` hold no more of any memory kind than ``depth`` of the largest group."""
+        ahead = self._ends[k] - self._ends[current]
+        return all(n <= self._allowance[kind] for kind, n in ahead.items())
 
     def _issue(self, group: list[Read]) -> None:
         futures = []
@@ -113,3 +128,11 @@ class ReadAhead:
             futures.append(fut)
         self._pending.append(futures)
         self._issued += 1
+
+
+def _bytes_by_kind(group: list[Read]) -> collections.Counter:
+    """The bytes a group's reads bring into memory, per memory kind."""
+    out: collections.Counter = collections.Counter()
+    for r in group:
+        out[r.memory_kind] += r.store.part_nbytes(r.keys)
+    return out
