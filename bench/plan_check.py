@@ -1,8 +1,9 @@
 """`zinfjax plan` predicted vs measured step time; prints one JSON object.
 
 For each model (a ~21M-parameter GPT-2, d_model 384 x 12 layers, and the step benchmark's 101M one,
-d_model 512 x 32 layers, both with the byte vocabulary) it runs ``zinfjax plan --json`` (with probes)
-in a subprocess, then ``zinfjax train`` with every tier on device, on host and on nvme, each in its own
+d_model 512 x 32 layers, both with the byte vocabulary, at ``--batch-size`` x ``--seq-len``; and
+``gpt2-small`` at the versus-DeepSpeed benchmark's batch of 4 x 128) it runs ``zinfjax plan --json``
+(with probes) in a subprocess, then ``zinfjax train`` with every tier on device, on host and on nvme, each in its own
 subprocess with a JSON log, and compares the plan's predicted step time with the median of the
 measured steps after the first (``batch_size * seq_len / tokens_per_s`` of each logged step).
 
@@ -23,7 +24,9 @@ import sys
 MODELS = {
     "gpt2-21M": {"d_model": 384, "n_layers": 12, "n_heads": 6},
     "gpt2-101M": {"d_model": 512, "n_layers": 32, "n_heads": 8},
+    "gpt2-small": None,  # the named model, at its own batch
 }
+OWN_BATCH = {"gpt2-small": {"batch_size": 4, "seq_len": 128}}
 PLACEMENTS = ("device", "host", "nvme")
 
 
@@ -53,8 +56,9 @@ def sets(values: dict) -> list[str]:
 
 def check_model(args, name: str, shape: dict) -> dict:
     nvme = os.path.join(args.dir, "nvme")
-    base = {"model": model_file(args.dir, name, shape), "batch_size": args.batch_size, "seq_len": args.seq_len,
-            "mesh": "data:1", "nvme_path": nvme}
+    batch = OWN_BATCH.get(name, {"batch_size": args.batch_size, "seq_len": args.seq_len})
+    model = name if shape is None else model_file(args.dir, name, shape)
+    base = {"model": model, **batch, "mesh": "data:1", "nvme_path": nvme}
     plan = json.loads(zinfjax("plan", "--json", *sets(base)).stdout)
     rows = {}
     for tier in PLACEMENTS:
@@ -65,7 +69,7 @@ def check_model(args, name: str, shape: dict) -> dict:
         zinfjax("train", "--quiet", *sets({**base, **tiers, "steps": args.steps, "log": log}))
         with open(log) as f:
             steps = json.load(f)["steps"]
-        seconds = [args.batch_size * args.seq_len / s["tokens_per_s"] for s in steps[1:]]
+        seconds = [batch["batch_size"] * batch["seq_len"] / s["tokens_per_s"] for s in steps[1:]]
         measured = statistics.median(seconds)
         rows[tier] = {"predicted_s": round(predicted["step_s"], 3), "measured_s": round(measured, 3),
                       "ratio": round(predicted["step_s"] / measured, 3), "fits": predicted["fits"],
@@ -73,7 +77,7 @@ def check_model(args, name: str, shape: dict) -> dict:
                                                                                   "nvme_io_s")},
                       "measured_steps_s": [round(s, 3) for s in seconds]}
     shutil.rmtree(nvme, ignore_errors=True)
-    return {"parameters": plan["parts"]["parameters"], "recommended": plan["recommended"],
+    return {"parameters": plan["parts"]["parameters"], "batch": batch, "recommended": plan["recommended"],
             "rates": {k: round(v, 4) if isinstance(v, float) else v for k, v in plan["rates"].items()},
             "placements": rows}
 

@@ -13,7 +13,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODULES = ["zinfjax.byte_sizes", "zinfjax.vocabulary", "zinfjax.mappings", "zinfjax.program.jaxpr",
            "zinfjax.models.configs", "zinfjax.engine.budget", "zinfjax.engine.parts",
-           "zinfjax.store.pool", "zinfjax.store.layout", "zinfjax.store.threads", "zinfjax.program.memo"]
+           "zinfjax.store.pool", "zinfjax.store.layout", "zinfjax.store.threads", "zinfjax.program.memo",
+           "zinfjax.plan"]
 
 
 @pytest.mark.parametrize("name", MODULES)

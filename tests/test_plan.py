@@ -103,7 +103,10 @@ def test_plan_json_and_table(capsys, tmp_path):
 def test_probed_plan_measures_disk_copy_and_compute(tmp_path):
     plan = make_plan(_config(f"nvme_path={tmp_path / 'nv'}", "model=gpt2-tiny"), probe=True)
     r = plan["rates"]
-    assert r["disk_read_GBps"] > 0 and r["host_copy_GBps"] > 0 and r["engine_s"] > 0
+    assert r["disk_read_GBps"] > 0 and r["host_copy_GBps"] > 0 and r["engine_s"] > 0 and r["nvme_step_GBps"] > 0
+    row = next(p for p in plan["placements"] if set(p["tiers"].values()) == {"nvme"})
+    floor = sum(row["bytes_per_step"][f"{op}_nvme"] / (r[f"disk_{op}_GBps"] * 1e9) for op in ("read", "write"))
+    assert row["nvme_io_s"] > 0 and row["step_s"] >= max(row["compute_s"] + row["nvme_io_s"], floor) * (1 - 1e-9)
     assert not any(n.startswith(".zinfjax-plan") for n in (tmp_path / "nv").iterdir())
 
 

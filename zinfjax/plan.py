@@ -13,18 +13,21 @@ For a config (model, batch, precision, stage, mesh) and this machine as it is:
   and the free space under ``nvme_path``;
 - a **predicted step time** (the cost model, `predict`):
 
-  ``busy = compute + host_bytes / host_copy_bw``, ``io = nvme_read / disk_read_bw + nvme_write / disk_write_bw``,
-  ``step = max(busy, io) + (1 - CPU_OVERLAP) * min(busy, io)``
+  ``host = host_bytes / host_copy_bw``, ``nvme = nvme_bytes / nvme_step_bw``,
+  ``floor = nvme_read / disk_read_bw + nvme_write / disk_write_bw``,
+  ``step = max(compute + host + nvme, floor)``
 
-  on the CPU backend, where a host-tier copy takes the same cores as compute, and NVMe I/O runs beside
-  it but its threads take a share of the cores too (`CPU_OVERLAP`); on an accelerator host copies and
-  disk I/O overlap compute: ``max(compute, host, io)``.
+  on the CPU backend, where a host-tier copy and the NVMe tier's I/O threads (``O_DIRECT`` system
+  calls, staging copies, crc32c) take the same cores as compute; the disk's own time is a floor.
+  On an accelerator host copies and disk I/O overlap compute: ``max(compute, host, floor)``.
   ``compute`` is timed: a few steps of the engine with every tier on device, on the model cut to a
   few layers, scaled to all layers by the layers' share of the FLOPs (the per-layer dispatch overhead
   is in the timed step, so it scales with them). The bytes each store moves per step are counted by
-  the same calibration run (reads and writes per byte of each store), the disk bandwidths come from a
-  short O_DIRECT probe under ``nvme_path`` (`raw_direct_io`), and the host-copy rate from timing
-  ``device_put`` between the device and ``pinned_host`` memory kinds, which is what the host tier does.
+  the same calibration run (reads and writes per byte of each store). ``host_copy_bw`` and
+  ``nvme_step_bw`` are what the same few steps with every tier on host, and on nvme (in a scratch
+  directory under ``nvme_path``), add to the device-tier step per byte moved: the rates a step
+  shows, its overlap included. The disk bandwidths come from a short O_DIRECT probe under
+  ``nvme_path`` (`raw_direct_io`).
   A placement with every tier on device at stage 0 trains with the in-memory reference trainer, so
   its compute is timed on that trainer instead.
 
@@ -59,14 +62,11 @@ from zinfjax.errors import UserError
 from zinfjax.vocabulary import TIER_KEYS, TIERS
 
 MiB = 1 << 20
-# On the CPU backend the NVMe tier's threads (O_DIRECT submission, crc32c, hand-over to the device) run
-# on the cores that compute uses, so only part of the shorter of compute and I/O hides behind the longer:
-# bench/plan_check.py on a 2-core VM put the nvme step between max(compute, io) and their sum.
-CPU_OVERLAP = 0.5
 PROBE_BYTES = 256 * MiB  # the disk probe: 64 MiB swung 2x from run to run on the benchmark machine
 CALIBRATION_LAYERS = 4
 CALIBRATION_STEPS = 3  # timed, after one untimed step that compiles
-NOMINAL = {"disk_read_GBps": 1.0, "disk_write_GBps": 1.0, "host_copy_GBps": 4.0, "flops_per_s": 2e10}
+NOMINAL = {"disk_read_GBps": 1.0, "disk_write_GBps": 1.0, "host_copy_GBps": 4.0, "nvme_step_GBps": 1.0,
+           "flops_per_s": 2e10}
 # Which tier key holds each kind of store.
 KIND_TIER = {"params": "params", "master": "optimizer", "opt": "optimizer", "grads": "gradients", "acts": "activations"}
 # Reads and writes per byte of each kind in one step without probes (grad_accum 1, no gradient clipping).
@@ -285,16 +285,31 @@ def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAY
     return {"step_s": statistics.median(times), "layers": m.n_layers, "traffic": traffic, "bytes_per_step": moved}
 
 
-def host_copy_rate(device: dict, host: dict, probed: float) -> float:
-    """GB/s the host tier adds per byte moved: the host-tier step over the device-tier step, per byte.
+def added_rate(device: dict, tier: dict, floor: float) -> float:
+    """GB/s a tier adds to the step per byte it moves: that tier's step over the device-tier step, per byte.
 
-    The engine's copies overlap its compute in part, so this effective rate is what predicts a
-    step; a rate from a bare copy (``probed``) stands in when the difference is lost in noise.
+    The engine's copies and I/O overlap its compute in part, so this effective rate is what predicts
+    a step; when the difference is lost in noise, ``floor`` (a bare copy's or the disk's rate) stands
+    in, or the rate that would add 2% to the step if that is higher.
+
+    Example:
+        >>> added_rate({"step_s": 1.0}, {"step_s": 1.5, "bytes_per_step": 1e9}, 1.0)
+        2.0
     """
-    extra = host["step_s"] - device["step_s"]
-    if extra <= 0.02 * device["step_s"] or host["bytes_per_step"] <= 0:
-        return max(probed, host["bytes_per_step"] / max(0.02 * device["step_s"], 1e-9) / 1e9)
-    return host["bytes_per_step"] / extra / 1e9
+    extra = tier["step_s"] - device["step_s"]
+    if extra <= 0.02 * device["step_s"] or tier["bytes_per_step"] <= 0:
+        return max(floor, tier["bytes_per_step"] / max(0.02 * device["step_s"], 1e-9) / 1e9)
+    return tier["bytes_per_step"] / extra / 1e9
+
+
+def calibrate_nvme(config: Config, model_config, layers: int) -> dict:
+    """`calibrate_engine` with every tier on nvme, in a scratch directory under ``nvme_path`` removed after."""
+    os.makedirs(config.nvme_path, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=".zinfjax-plan-", dir=config.nvme_path)
+    try:
+        return calibrate_engine(config.replace(nvme_path=scratch), model_config, layers, tier="nvme")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def calibrate_reference(config: Config, model_config, layers: int = CALIBRATION_LAYERS) -> float:
@@ -385,14 +400,20 @@ def traffic(stores, tiers: dict[str, str], factors: dict | None) -> dict[str, fl
 
 
 def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rates: dict, platform: str) -> dict:
-    """The cost model: the step's compute, host copies and NVMe I/O, and the step they make."""
+    """The cost model: the step's compute, host copies and NVMe I/O, and the step they make.
+
+    ``nvme_io_s`` is what the NVMe tier adds to the step: on the CPU backend at the rate the engine
+    shows (`added_rate`), never less than the disk's own time; elsewhere the disk's time.
+    """
     compute = rates["reference_s"] if uses_reference(config, tiers) else rates["engine_s"]
     host = (moved["read_host"] + moved["write_host"]) / (rates["host_copy_GBps"] * 1e9)
-    nvme = moved["read_nvme"] / (rates["disk_read_GBps"] * 1e9) + moved["write_nvme"] / (rates["disk_write_GBps"] * 1e9)
-    if platform == "cpu":  # the tier's I/O threads share the cores with compute: half the shorter part is hidden
-        busy = compute + host  # host copies at the rate measured inside the engine, overlap included
-        step = max(busy, nvme) + (1 - CPU_OVERLAP) * min(busy, nvme)
+    floor = (moved["read_nvme"] / (rates["disk_read_GBps"] * 1e9)
+             + moved["write_nvme"] / (rates["disk_write_GBps"] * 1e9))
+    if platform == "cpu":  # copies and the I/O threads take the cores compute uses
+        nvme = (moved["read_nvme"] + moved["write_nvme"]) / (rates["nvme_step_GBps"] * 1e9)
+        step = max(compute + host + nvme, floor)
     else:
+        nvme = floor
         step = max(compute, host, nvme)
     return {"compute_s": compute, "host_copy_s": host, "nvme_io_s": nvme, "step_s": step}
 
@@ -405,8 +426,8 @@ def make_plan(config: Config, probe: bool = True) -> dict:
     """The plan for ``config`` on this machine; raises `PlanError` when no placement fits.
 
     Example:
-        >>> make_plan(Config(model="gpt2-tiny"), probe=False)["parts"]["params"]
-        ...
+        >>> make_plan(Config(model="gpt2-tiny"), probe=False)["parts"]["params"]  # fp32 bytes
+        898560
     """
     from zinfjax import models
 
@@ -434,7 +455,11 @@ def make_plan(config: Config, probe: bool = True) -> dict:
         calibration = calibrate_engine(config, model_config, layers)
         factors = calibration["traffic"]
         on_host = calibrate_engine(config, model_config, calibration["layers"], tier="host")
-        rates["host_copy_GBps"] = host_copy_rate(calibration, on_host, rates["host_copy_GBps"])
+        rates["host_copy_GBps"] = added_rate(calibration, on_host, rates["host_copy_GBps"])
+        if config.nvme_path:
+            on_nvme = calibrate_nvme(config, model_config, calibration["layers"])
+            disk = 2 / (1 / rates["disk_read_GBps"] + 1 / rates["disk_write_GBps"])
+            rates["nvme_step_GBps"] = added_rate(calibration, on_nvme, disk)
         rates["engine_s"] = scale_to_model(calibration["step_s"], config, model_config, calibration["layers"])
         rates["calibration_layers"] = calibration["layers"]
         if any(f["fits"] and uses_reference(config, t) for t, f in fits):
@@ -534,7 +559,8 @@ def format_plan(plan: dict, top: int = 12) -> str:
               f"nvme {nvme}",
               f"rates{'' if plan['probed'] else ' (nominal)'}: compute {r['engine_s']:.3f} s/step (engine), "
               f"{r['reference_s']:.3f} s/step (in-memory), host copy {r['host_copy_GBps']:.2f} GB/s, "
-              f"disk read {r['disk_read_GBps']:.2f} / write {r['disk_write_GBps']:.2f} GB/s", ""]
+              f"disk read {r['disk_read_GBps']:.2f} / write {r['disk_write_GBps']:.2f} GB/s, nvme tier in a step "
+              f"{r['nvme_step_GBps']:.2f} GB/s", ""]
     header = f"{'params':<8}{'optimizer':<10}{'gradients':<10}{'activations':<12}{'fits':<6}{'step s':>8}" \
              f"{'compute':>9}{'host':>8}{'nvme':>8}  short"
     lines.append(header)
