@@ -9,9 +9,10 @@ DeepSpeed's ZeRO-3 does the same (``stage3_max_reuse_distance``).
 uses: twice those the forward reads after it) and its bytes; `choose` takes those within
 ``max_reuse_distance``. `Held` hands the kept trees to the backward's reads.
 
-It is off unless asked for: on this 2-core machine the NVMe step is CPU-bound, and keeping every
-layer of gpt2-small saved 28% of its reads but only 3% of its step (fp32; bf16: none), for 0.33 GB
-more peak memory (docs/BENCHMARKS.md, "Reuse").
+It is off unless asked for. Keeping every layer of gpt2-small saves 28% of its NVMe reads for 0.3 GB
+more peak memory; what that buys depends on what paces the step: 3% (fp32; bf16: none) where the
+step is CPU-bound, 4-9% (fp32) on a machine with twice the compute, where it sits near the disk's
+floor (docs/BENCHMARKS.md, "Reuse").
 
 Example:
     >>> held = Held()
