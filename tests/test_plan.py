@@ -77,6 +77,15 @@ def test_bad_input_is_one_line(capsys):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+def test_an_nvme_path_that_cannot_be_created_is_one_line(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["plan", *[a for s in BASE for a in ("--set", s)], "--set", f"nvme_path={blocker / 'nv'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("zinfjax: error: cannot create the store directory")
+    assert err[0].endswith("choose a writable nvme_path") and blocker.read_text() == ""
+
+
 def test_recommendation_fits_and_the_nvme_tier_is_considered_with_a_path(tmp_path):
     # a limit that holds the state on nvme (and small layers in memory), not every placement in memory
     plan = make_plan(_config(f"nvme_path={tmp_path / 'nv'}", f"memory_limit={above_this_process(1 << 30)}"),

@@ -92,9 +92,10 @@ def add_plan(sub) -> None:
         "under nvme_path; and a predicted step time. On the CPU backend device memory is host memory, so the "
         "device and host tiers share the host budget. The prediction times a few steps of the engine on a few "
         "layers of the model (compute, scaled by FLOPs to every layer), probes the disk under nvme_path (256 MiB of "
-        "O_DIRECT I/O) and times the same steps with every tier on host for the host-copy rate; on the CPU "
-        "backend step = max(compute + host copies, NVMe I/O) plus "
-        "half the shorter of the two (the I/O threads share the cores), elsewhere the largest of the three. It "
+        "O_DIRECT I/O), and times the same steps with every tier on host, and on nvme in a scratch directory under "
+        "nvme_path, for what each tier adds to a step per byte it moves. On the CPU backend, where copies and the "
+        "I/O threads share the cores with compute, step = max(compute + host copies + NVMe traffic at those "
+        "rates, the disk's own time); elsewhere the largest of compute, host copies and the disk's time. It "
         "recommends the fastest placement that fits; `zinfjax train --set tiers=auto` trains with it.",
         epilog="examples:\n  zinfjax plan --set model=gpt2-small --set batch_size=4 --set seq_len=512\n"
         "  zinfjax plan run.yaml --set nvme_path=/mnt/nvme/run1 --set memory_limit=8GiB --json\n"

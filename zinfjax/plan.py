@@ -59,6 +59,7 @@ from zinfjax.config import Config
 from zinfjax.engine.budget import COMPILE_RESERVE, LIVE_BASE, default_limit, minimum_bytes
 from zinfjax.engine.store_plan import StoreSpec, budget_needs
 from zinfjax.errors import UserError
+from zinfjax.store.disk import prepare_directory
 from zinfjax.vocabulary import TIER_KEYS, TIERS
 
 MiB = 1 << 20
@@ -445,6 +446,8 @@ def make_plan(config: Config, probe: bool = True) -> dict:
     rates["reference_s"] = rates["engine_s"]
     factors, notes = None, []
     if probe:
+        if config.nvme_path:  # the probes write under it: a path that cannot hold them is refused in one line
+            prepare_directory(config.nvme_path)
         largest = max((math.prod(x.shape[1:]) * np.dtype(x.dtype).itemsize for _, _, like in stores
                        for x in jax.tree.leaves(like)), default=MiB)
         rates["host_copy_GBps"] = probe_host_copy(int(min(max(largest, MiB), 64 * MiB)))
