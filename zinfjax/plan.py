@@ -459,7 +459,7 @@ def make_plan(config: Config, probe: bool = True) -> dict:
         factors = calibration["traffic"]
         on_host = calibrate_engine(config, model_config, calibration["layers"], tier="host")
         rates["host_copy_GBps"] = added_rate(calibration, on_host, rates["host_copy_GBps"])
-        if config.nvme_path:
+        if config.nvme_path and machine["platform"] == "cpu":  # only the CPU backend's model uses it
             on_nvme = calibrate_nvme(config, model_config, calibration["layers"])
             disk = 2 / (1 / rates["disk_read_GBps"] + 1 / rates["disk_write_GBps"])
             rates["nvme_step_GBps"] = added_rate(calibration, on_nvme, disk)
