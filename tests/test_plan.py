@@ -10,7 +10,7 @@ from zinfjax.cli import main
 from zinfjax.config import TIER_KEYS, Config
 from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.engine.memory import zero_formula
-from zinfjax.plan import PlanError, make_plan, parameter_count, state_parts, traffic
+from zinfjax.plan import NOMINAL, PlanError, make_plan, parameter_count, state_parts, traffic
 from zinfjax.sharding import make_mesh
 from zinfjax.train import lm_engine, run
 
@@ -113,6 +113,7 @@ def test_probed_plan_measures_disk_copy_and_compute(tmp_path):
     plan = make_plan(_config(f"nvme_path={tmp_path / 'nv'}", "model=gpt2-tiny"), probe=True)
     r = plan["rates"]
     assert r["disk_read_GBps"] > 0 and r["host_copy_GBps"] > 0 and r["engine_s"] > 0 and r["nvme_step_GBps"] > 0
+    assert r["nvme_step_GBps"] != NOMINAL["nvme_step_GBps"]  # the NVMe calibration ran and set it
     row = next(p for p in plan["placements"] if set(p["tiers"].values()) == {"nvme"})
     floor = sum(row["bytes_per_step"][f"{op}_nvme"] / (r[f"disk_{op}_GBps"] * 1e9) for op in ("read", "write"))
     assert row["nvme_io_s"] > 0 and row["step_s"] >= max(row["compute_s"] + row["nvme_io_s"], floor) * (1 - 1e-9)

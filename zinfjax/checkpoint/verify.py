@@ -114,8 +114,8 @@ def _leaf_problem(leaf_dir: str, meta: dict, slots: dict, checksums: bool) -> tu
     array = _array_metadata(leaf_dir)
     if array is None:
         return PARTIAL, "zarr.json is missing"
-    said = {k: fmt.zarr_metadata(meta)[k] for k in _SIZES}
-    if {k: array.get(k) for k in _SIZES} != said:  # before any loop or buffer is sized from either
+    expected = fmt.zarr_metadata(meta)
+    if any(array.get(k) != expected[k] for k in _SIZES):  # before any loop or buffer is sized from either
         return CORRUPT, f"zarr.json and {fmt.META} disagree on the shape, dtype or chunks"
     nbytes = math.prod(meta["chunk_shape"]) * np.dtype(meta["dtype"]).itemsize
     grid = [-(-n // c) for n, c in zip(meta["shape"], meta["chunk_shape"], strict=True)]
