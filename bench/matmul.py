@@ -6,10 +6,12 @@ layer) and the two products of its backward, ``g @ w.T`` and ``x.T @ g``, the me
 - XLA, fp32;
 - XLA, bf16 operands and result (what a bf16 model computes);
 - XLA, bf16 operands and an fp32 result (``preferred_element_type``), rounded to bf16 after;
+- the three products of zinfjax.models.products' VJP (the weight gradient's ``x.T`` first made a
+  row-major bf16 array);
 - torch, fp32 and bf16.
 
-It shows why zinfjax's bf16 step is no faster than its fp32 one on the CPU backend (docs/BENCHMARKS.md,
-"Versus DeepSpeed").
+It shows why autodiff's bf16 backward is no faster than its fp32 one on the CPU backend, and what
+zinfjax.models.products changes (docs/BENCHMARKS.md, "bf16 products with their own VJP").
 
 Example:
     $ python bench/matmul.py
@@ -26,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from zinfjax.models import products
 
 REPEATS = 30
 FORWARD = (((1,), (0,)), ((), ()))  # x @ w
@@ -51,6 +55,14 @@ def xla(dims, dtype, f32_result: bool):
     return jax.jit(product)
 
 
+def zinfjax_products() -> dict:
+    """The three products `products.dense`'s VJP computes, each jitted alone."""
+    return {"forward x @ w": jax.jit(lambda x, w: products.dense(x, w)),
+            "input grad g @ w.T": jax.jit(lambda g, w: products._product(g, w, products.ROWS_BY_ROWS, g.dtype)),
+            "weight grad x.T @ g": jax.jit(lambda x, g: products._product(
+                products._row_major_transpose(x), g, products.ROWS_BY_COLUMNS, x.dtype))}
+
+
 def torch_ms(a, b) -> float:
     a @ b
     times = []
@@ -72,7 +84,8 @@ def main() -> int:
         a16, b16 = a32.astype(jnp.bfloat16), b32.astype(jnp.bfloat16)
         out["xla"][name] = {"fp32": median_ms(xla(dims, jnp.float32, False), a32, b32),
                             "bf16": median_ms(xla(dims, jnp.bfloat16, False), a16, b16),
-                            "bf16, fp32 result": median_ms(xla(dims, jnp.bfloat16, True), a16, b16)}
+                            "bf16, fp32 result": median_ms(xla(dims, jnp.bfloat16, True), a16, b16),
+                            "bf16, zinfjax.models.products": median_ms(zinfjax_products()[name], a16, b16)}
     try:
         import torch
     except ImportError:

@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zinfjax.models import products
 from zinfjax.models.attention import padded_attention
 from zinfjax.models.configs import ModelConfig
 from zinfjax.models.gpt import PARTITION_RULES
@@ -115,7 +116,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, h: Hidden, _: Any = None) -> tuple[Hidden, None]:
         c = self.config
-        dense = partial(nn.DenseGeneral, dtype=self.dtype, kernel_init=normal(0.02))
+        dense = partial(nn.DenseGeneral, dtype=self.dtype, kernel_init=normal(0.02), dot_general=products.dot_general)
         x, mask = h
         q, k, v = (dense((c.n_heads, c.head_dim), name=n)(x) for n in ("q", "k", "v"))
         a = dense(c.d_model, axis=(-2, -1), name="attn_out")(padded_attention(q, k, v, mask))

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zinfjax.models import products
 from zinfjax.models.attention import cached_attention, causal_attention
 from zinfjax.models.configs import ModelConfig
 from zinfjax.models.stacked import StackedLM
@@ -56,7 +57,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, h: jax.Array, _: Any = None, cache: dict | None = None, pos: Any = 0) -> tuple[jax.Array, Any]:
         c = self.config
-        dense = partial(nn.DenseGeneral, dtype=self.dtype, kernel_init=normal(0.02))
+        dense = partial(nn.DenseGeneral, dtype=self.dtype, kernel_init=normal(0.02), dot_general=products.dot_general)
         out_init = normal(0.02 / math.sqrt(2 * c.n_layers))
         norm = partial(nn.LayerNorm, epsilon=c.norm_eps, dtype=self.dtype)
         x = norm(name="ln_1")(h)

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zinfjax.models import products
 from zinfjax.models.attention import cached_attention, causal_attention
 from zinfjax.models.configs import ModelConfig
 from zinfjax.models.stacked import StackedLM
@@ -58,7 +59,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, h: jax.Array, _: Any = None, cache: dict | None = None, pos: Any = 0) -> tuple[jax.Array, Any]:
         c = self.config
-        dense = partial(nn.DenseGeneral, use_bias=False, dtype=self.dtype, kernel_init=normal(0.02))
+        dense = partial(nn.DenseGeneral, use_bias=False, dtype=self.dtype, kernel_init=normal(0.02),
+                        dot_general=products.dot_general)
         norm = partial(nn.RMSNorm, epsilon=c.norm_eps, dtype=self.dtype)
         x = norm(name="attn_norm")(h)
         offset = 0 if cache is None else pos

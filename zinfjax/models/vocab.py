@@ -26,6 +26,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zinfjax.models.products import dense
+
 CHUNK_BYTES = 8 << 20  # fp32 bytes of one chunk of the table
 MIN_CHUNKS = 4
 
@@ -85,7 +87,7 @@ def cross_entropy(h: jax.Array, table: jax.Array, targets: jax.Array, chunks: in
     def body(carry, xs):
         high, total, picked = carry
         part, start = xs
-        logits = jnp.einsum("...d,vd->...v", h, part.astype(dtype)).astype(jnp.float32)
+        logits = dense(h, part.astype(dtype), w_rows=True).astype(jnp.float32)
         logits = jnp.where(start + jnp.arange(rows) < vocab, logits, -jnp.inf)
         new_high = jax.lax.stop_gradient(jnp.maximum(high, jnp.max(logits, axis=-1)))
         total = total * jnp.exp(high - new_high) + jnp.sum(jnp.exp(logits - new_high[..., None]), axis=-1)

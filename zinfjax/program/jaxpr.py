@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.extend.core as jc
@@ -245,20 +245,21 @@ def nbytes(avals: Iterable) -> int:
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals if hasattr(a, "shape"))  # PRNG keys too
 
 
-def output_bytes(eqns: Iterable, primitives) -> int:
-    """Bytes of the outputs of the eqns of ``primitives`` in ``eqns``, through the bodies of calls.
+def output_bytes(eqns: Iterable, kept: Callable[[str, dict], bool]) -> int:
+    """Bytes of the outputs of the eqns for which ``kept(primitive name, params)`` holds in ``eqns``, and,
+    where it does not, through the bodies of calls.
 
     Example:
         >>> closed, _ = trace(lambda a: (a @ a) @ a, np.ones((4, 4), np.float32))
-        >>> output_bytes(closed.jaxpr.eqns, {"dot_general"})
+        >>> output_bytes(closed.jaxpr.eqns, lambda name, params: name == "dot_general")
         128
     """
     total = 0
     for eqn in eqns:
+        if kept(eqn.primitive.name, eqn.params):
+            total += nbytes(v.aval for v in eqn.outvars)
+            continue
         subs = [p.jaxpr if isinstance(p, jc.ClosedJaxpr) else p for p in eqn.params.values()
                 if isinstance(p, jc.ClosedJaxpr | jc.Jaxpr)]
-        if subs:
-            total += sum(output_bytes(sub.eqns, primitives) for sub in subs)
-        elif eqn.primitive.name in primitives:
-            total += nbytes(v.aval for v in eqn.outvars)
+        total += sum(output_bytes(sub.eqns, kept) for sub in subs)
     return total

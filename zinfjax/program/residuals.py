@@ -5,7 +5,7 @@ a pytree of residual arrays). Only activations are kept:
 
 - the ``shared`` inputs are left out by identity: a layer's parameters, which its backward reads
   again anyway;
-- of the values ``f`` computes, only the outputs of matrix products (`KEPT`) are kept; the rest
+- of the values ``f`` computes, only the outputs of matrix products (`is_product`) are kept; the rest
   (layer norms, softmax, activation functions, casts, transposes) is recomputed from them in the
   backward (``jax.checkpoint`` with a saving policy). That costs a little elementwise work and keeps
   a third of what saving everything would (gpt2-small, batch 4 x 128: 31 against 63 MB a layer), and
@@ -32,13 +32,22 @@ import numpy as np
 
 from zinfjax.program import jaxpr as jx
 
-# The primitives whose outputs a saved backward keeps; everything else it recomputes from them.
-KEPT = frozenset({"dot_general"})
+# The primitive whose outputs a saved backward keeps; everything else it recomputes from them.
+PRODUCT = "dot_general"
 
 
-def _kept(prim, *_, **__) -> bool:
-    """``jax.checkpoint``'s policy: keep the outputs of `KEPT`."""
-    return prim.name in KEPT
+def is_product(name: str, params: dict) -> bool:
+    """Whether an eqn of primitive ``name`` computes a matrix product: ``dot_general``, or a call with a
+    VJP of its own around one (``custom_vjp_call``, as zinfjax.models.products' low-precision product)."""
+    if name == PRODUCT:
+        return True
+    body = params.get("call_jaxpr") if name == "custom_vjp_call" else None
+    return body is not None and any(e.primitive.name == PRODUCT for e in body.jaxpr.eqns)
+
+
+def _kept(prim, *_, **params) -> bool:
+    """``jax.checkpoint``'s policy: keep the outputs of matrix products (`is_product`)."""
+    return is_product(prim.name, params)
 
 
 def differentiable(aval) -> bool:
@@ -118,8 +127,8 @@ def residual_bytes(program, micro: int) -> int:
             body = stage.eqn.params["jaxpr"].jaxpr
             inputs = [v for v, (kind, _) in list(zip(body.invars, stage.operands, strict=True))[stage.num_consts:]
                       if kind not in ("param", "stream")]  # the carry and this iteration's xs, not its parameters
-            total += stage.length * (jx.output_bytes(body.eqns, KEPT) + jx.nbytes(v.aval for v in inputs))
+            total += stage.length * (jx.output_bytes(body.eqns, is_product) + jx.nbytes(v.aval for v in inputs))
             total += jx.nbytes(v.aval for v in stage.const_vars)
         else:
-            total += jx.output_bytes(stage.eqns, KEPT) + jx.nbytes(v.aval for v in stage.inputs)
+            total += jx.output_bytes(stage.eqns, is_product) + jx.nbytes(v.aval for v in stage.inputs)
     return micro * total
