@@ -74,9 +74,11 @@ def engine_losses(c, steps=STEPS):
         engine.close()
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_engine_equals_the_in_memory_mixed_loop(tmp_path, precision):
-    c = config(precision=precision, mesh="data:1", params="nvme", optimizer="nvme", nvme_path=str(tmp_path))
+# The last case splits each block's products over two devices (tensor parallelism) with their own VJP
+# (zinfjax.models.products), against the loop on one device.
+@pytest.mark.parametrize("precision, mesh", [("bf16", "data:1"), ("fp16", "data:1"), ("bf16", "data:1,model:2")])
+def test_mixed_precision_engine_equals_the_in_memory_mixed_loop(tmp_path, precision, mesh):
+    c = config(precision=precision, mesh=mesh, params="nvme", optimizer="nvme", nvme_path=str(tmp_path))
     ref_losses, ref_master, ref_scale = mixed_reference(c)
     losses, master, scale = engine_losses(c)
     loss_tol, param_tol = TOLERANCE[precision]

@@ -6,8 +6,8 @@ the contracted axis last on the left: a forward ``x @ w`` and an input gradient 
 but the weight gradient ``x.T @ g`` that autodiff writes contracts the token axis of both operands,
 so XLA converts them to fp32 and takes the fp32 kernel, twice as slow (bench/matmul.py).
 
-`dense` is that product with a VJP of its own: the weight gradient transposes ``x`` in bf16 into a
-row-major array first (a layout constraint), so all three products run the bf16 kernel. Its
+`dense` is that product with a VJP of its own: on the CPU backend the weight gradient transposes ``x``
+in bf16 into a row-major array first (a layout constraint), so all three products run the bf16 kernel. Its
 results are those of autodiff's (bf16 operands, fp32 accumulation, one rounding to the operand
 dtype), up to the order of the sums; ``tests/test_products.py`` holds it to them. fp32 operands,
 and any contraction other than a dense layer's, take ``jax.lax.dot_general`` unchanged.
@@ -42,7 +42,10 @@ def _product(a: jax.Array, b: jax.Array, dims, dtype) -> jax.Array:
 
 
 def _row_major_transpose(a: jax.Array) -> jax.Array:
-    """``a.T`` stored row-major, so a product that takes it sees a plain left operand."""
+    """``a.T`` stored row-major on the CPU backend, so a product that takes it sees a plain left operand;
+    elsewhere ``a.T`` (GPU and TPU products take transposed operands as they are)."""
+    if jax.default_backend() != "cpu":
+        return a.T
     return with_layout_constraint(a.T, Layout(major_to_minor=(0, 1)))
 
 
