@@ -15,7 +15,7 @@ One invocation runs, one after another and each in its own process, for fp32 and
   log reports over that bandwidth.
 
 Same batch (4 x 128 tokens by default), AdamW (lr 3e-4, no weight decay), same NVMe directory.
-Each run reports the median of its steps after ``--warmup`` (steps 3 and later by default), its
+Each run reports the median of its steps after ``--warmup`` (steps 3 to 8 by default), its
 peak RSS (VmHWM, zinfjax/benchmarks/process.py), its memory cgroup's peak when a cgroup v1 memory
 controller is writable, its initialisation time (process start to the first step's start), and
 how many CPU cores other processes kept busy meanwhile (``other_cpu_cores``: the machine is shared).
@@ -447,7 +447,8 @@ def parser() -> argparse.ArgumentParser:
                    help="zinfjax runs, comma separated (default nvme,host,memory)")
     p.add_argument("--deepspeed-runs", type=run_list(DEEPSPEED_RUNS), default=DEEPSPEED_RUNS,
                    help="DeepSpeed runs, comma separated (default nvme,nvme_params_on_disk,cpu)")
-    p.add_argument("--steps", type=int, default=5, help="steps per run (default 5)")
+    p.add_argument("--steps", type=int, default=8, help="steps per run (default 8: with every tier on host, "
+                   "zinfjax's first 3-4 steps fault in its memory, so 5 steps' median is not its steady step)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the median (default 2: the "
                    "median is of steps 3 and later)")
     p.add_argument("--model", default="gpt2-small", help="a zinfjax GPT-2 size; DeepSpeed trains the same shape")
