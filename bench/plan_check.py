@@ -5,10 +5,12 @@ d_model 512 x 32 layers, both with the byte vocabulary, at ``--batch-size`` x ``
 ``gpt2-small`` at the versus-DeepSpeed benchmark's batch of 4 x 128) it runs ``zinfjax plan --json``
 (with probes) in a subprocess, then ``zinfjax train`` with every tier on device, on host and on nvme, each in its own
 subprocess with a JSON log, and compares the plan's predicted step time with the median of the
-measured steps after the first (``batch_size * seq_len / tokens_per_s`` of each logged step).
+measured steps after the first (``batch_size * seq_len / tokens_per_s`` of each logged step), all in
+``--precision`` (fp32 by default).
 
 Example:
     $ python bench/plan_check.py --dir runs/plan_check
+    $ python bench/plan_check.py --dir runs/plan_check --models gpt2-small --precision bf16
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def check_model(args, name: str, shape: dict) -> dict:
     nvme = os.path.join(args.dir, "nvme")
     batch = OWN_BATCH.get(name, {"batch_size": args.batch_size, "seq_len": args.seq_len})
     model = name if shape is None else model_file(args.dir, name, shape)
-    base = {"model": model, **batch, "mesh": "data:1", "nvme_path": nvme}
+    base = {"model": model, **batch, "mesh": "data:1", "nvme_path": nvme, "precision": args.precision}
     plan = json.loads(zinfjax("plan", "--json", *sets(base)).stdout)
     rows = {}
     for tier in PLACEMENTS:
@@ -89,11 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=5, help="steps per training run; the first is not timed")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     args = p.parse_args(argv)
     os.makedirs(args.dir, exist_ok=True)
     results = {name: check_model(args, name, MODELS[name]) for name in args.models.split(",")}
     ratios = [r["ratio"] for m in results.values() for r in m["placements"].values()]
     print(json.dumps({"batch": {"batch_size": args.batch_size, "seq_len": args.seq_len}, "steps": args.steps,
+                      "precision": args.precision,
                       "statistic": "median of the steps after the first", "models": results,
                       "within_25_percent": sum(0.75 <= r <= 1.25 for r in ratios), "of": len(ratios)}))
     return 0

@@ -73,7 +73,7 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 def dense(x: jax.Array, w: jax.Array, w_rows: bool = False) -> jax.Array:
     """``x @ w`` (``x @ w.T`` when ``w_rows``) over the last axis of ``x`` and the first (last) of ``w``.
 
-    Low-precision operands of one dtype take the VJP above; others, ``jnp.matmul``'s path.
+    Low-precision operands of one dtype take the VJP above; others, ``lax.dot_general``.
 
     Example:
         >>> dense(jnp.ones((2, 5, 3)), jnp.ones((4, 3)), w_rows=True).shape
