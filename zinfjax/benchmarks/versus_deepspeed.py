@@ -8,8 +8,9 @@ One invocation runs, one after another and each in its own process, for fp32 and
   ``nvme_params_on_disk`` (the same with ``max_in_cpu`` small, so they leave RAM) and ``cpu``
   (both offloaded to CPU memory);
 - zinfjax, through the user's path, ``zinfjax train --set model=gpt2-small ...`` with default
-  settings otherwise: ``nvme`` (params, optimizer and activations on NVMe), ``host`` (every tier
-  on host) and ``memory`` (every tier on device: stage 0, the plain in-memory JAX step);
+  settings otherwise: ``nvme`` (params, optimizer and activations on NVMe), ``nvme_optimizer``
+  (DeepSpeed's ``nvme`` placement as it runs: parameters on host, optimizer state on NVMe), ``host``
+  (every tier on host) and ``memory`` (every tier on device: stage 0, the plain in-memory JAX step);
 - raw disk bandwidth (sequential O_DIRECT, `zinfjax.benchmarks.io.raw_direct_io`) on the same
   directory before and after, and from it the I/O floor of one zinfjax NVMe step: the bytes its
   log reports over that bandwidth.
@@ -52,6 +53,9 @@ GB = 1e9
 PRECISIONS = ("fp32", "bf16")
 ZINFJAX_TIERS = {  # run -> the tiers it sets; the others keep their default (device)
     "nvme": {"params": "nvme", "optimizer": "nvme", "activations": "nvme"},
+    # DeepSpeed's "nvme" run as it places its state here: the parameters in RAM (max_in_cpu), the
+    # optimizer state and fp32 master on NVMe
+    "nvme_optimizer": {"params": "host", "optimizer": "nvme"},
     "host": {"params": "host", "optimizer": "host", "gradients": "host", "activations": "host"},
     "memory": {},
 }
@@ -182,7 +186,7 @@ def zinfjax_overrides(args, run: str, precision: str, log: str) -> list[str]:
     """The ``--set`` overrides of one zinfjax run; every other key keeps its default."""
     values = {"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
               **ZINFJAX_TIERS[run], "precision": precision, "log": log}
-    if run == "nvme":
+    if "nvme" in ZINFJAX_TIERS[run].values():
         values["nvme_path"] = nvme_dir(args)
     return [f"{k}={v}" for k, v in values.items()]
 
@@ -354,13 +358,16 @@ def ratios(zinfjax: dict, deepspeed: dict) -> dict:
     """Step time and peak RSS ratios, all from this run; None where a side did not run."""
     best, ds_nvme = best_nvme(deepspeed)
     z_nvme, z_host, z_mem = zinfjax.get("nvme", {}), zinfjax.get("host", {}), zinfjax.get("memory", {})
+    z_like = zinfjax.get("nvme_optimizer", {})
     ds_cpu, ds_disk = deepspeed.get("cpu", {}), deepspeed.get("nvme_params_on_disk", {})
     out = {
         "deepspeed_best_nvme": best,
         "zinfjax_nvme_over_deepspeed_best_nvme": ratio(z_nvme, ds_nvme),
         "zinfjax_nvme_over_deepspeed_nvme_params_on_disk": ratio(z_nvme, ds_disk),
         "zinfjax_nvme_over_zinfjax_memory": ratio(z_nvme, z_mem),
+        "zinfjax_host_over_zinfjax_memory": ratio(z_host, z_mem),
         "zinfjax_host_over_deepspeed_cpu": ratio(z_host, ds_cpu),
+        "zinfjax_nvme_optimizer_over_deepspeed_nvme": ratio(z_like, deepspeed.get("nvme", {})),
         "peak_rss_zinfjax_nvme_over_deepspeed_best_nvme": ratio(z_nvme, ds_nvme, "peak_rss_GB"),
         "peak_rss_zinfjax_host_over_deepspeed_cpu": ratio(z_host, ds_cpu, "peak_rss_GB"),
         "init_zinfjax_nvme_over_deepspeed_best_nvme": ratio(z_nvme, ds_nvme, "init_s"),
@@ -444,7 +451,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
     p.add_argument("--only", choices=["zinfjax", "deepspeed"], help="run one side only")
     p.add_argument("--zinfjax-runs", type=run_list(tuple(ZINFJAX_TIERS)), default=tuple(ZINFJAX_TIERS),
-                   help="zinfjax runs, comma separated (default nvme,host,memory)")
+                   help="zinfjax runs, comma separated (default nvme,nvme_optimizer,host,memory)")
     p.add_argument("--deepspeed-runs", type=run_list(DEEPSPEED_RUNS), default=DEEPSPEED_RUNS,
                    help="DeepSpeed runs, comma separated (default nvme,nvme_params_on_disk,cpu)")
     p.add_argument("--steps", type=int, default=8, help="steps per run (default 8: with every tier on host, "
