@@ -45,13 +45,20 @@ from zinfjax.vocabulary import COMPUTE_DTYPES, TIER_KEYS
 
 
 class ReferenceTrainer:
-    """The in-memory reference trainer behind a ``step(batch) -> metrics`` interface."""
+    """The in-memory reference trainer behind a ``step(batch) -> metrics`` interface.
+
+    Its step keeps each block's matrix products for the backward and recomputes the rest
+    (``StackedLM.save_products``), as the engine's saved residuals do: the same arithmetic as the plain
+    loop (bitwise in fp32), without stacking every intermediate of every layer.
+    """
 
     def __init__(self, config: Config, model, mesh):
         self.tx = make_optimizer(config)
         self.mesh = mesh
         self.params, self.opt_state = init_state(lm_init(model), self.tx, mesh, config.seed)
-        self._step = make_step(lm_loss(model), self.tx, mesh, config.grad_accum)
+        saving = model.clone(save_products=True) if hasattr(model, "save_products") else model
+        self.loss = lm_loss(saving)
+        self._step = make_step(self.loss, self.tx, mesh, config.grad_accum)
 
     def next_batch(self, batches: Batches) -> jax.Array:
         return global_batch(batches, batch_sharding(self.mesh))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from zinfjax.models.configs import ModelConfig
 from zinfjax.models.layered import Layers
+from zinfjax.program.residuals import keep_products
 
 
 @functools.cache
@@ -47,6 +48,10 @@ class StackedLM(nn.Module):
 
     config: ModelConfig
     dtype: Any = jnp.float32
+    # Whole-model differentiation keeps each block's matrix products and recomputes the rest in the
+    # backward (``nn.remat`` with `keep_products`), as the engine's saved residuals do: the in-memory
+    # trainer's step (zinfjax.train.ReferenceTrainer). The streamed layers (`layers`) never use it.
+    save_products: bool = False
     parts: ClassVar[tuple[type, type, type]]
     partition_rules: ClassVar[tuple] = ()  # tensor parallelism; see `Layers.partition_rules`
     causal: ClassVar[bool] = True  # a language model that can decode token by token (`decoding`)
@@ -55,6 +60,8 @@ class StackedLM(nn.Module):
         embed, block, head = self.parts
         c = self.config
         self.embed = embed(c, self.dtype)
+        if self.save_products:
+            block = nn.remat(block, policy=keep_products, prevent_cse=False)
         scan = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.n_layers)
         self.blocks = scan(c, self.dtype)
         self.head = head(c, self.dtype)

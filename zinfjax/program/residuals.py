@@ -45,7 +45,7 @@ def is_product(name: str, params: dict) -> bool:
     return body is not None and any(e.primitive.name == PRODUCT for e in body.jaxpr.eqns)
 
 
-def _kept(prim, *_, **params) -> bool:
+def keep_products(prim, *_, **params) -> bool:
     """``jax.checkpoint``'s policy: keep the outputs of matrix products (`is_product`)."""
     return is_product(prim.name, params)
 
@@ -90,7 +90,7 @@ def save_vjp(f, primals: tuple, shared: list, pullback: Pullback):
     ``primals`` is a tuple of pytrees; only inexact leaves are differentiated.
     """
     g, keep, flat, tree, diff = of_differentiable(f, primals)
-    out, vjp = jax.vjp(jax.checkpoint(g, policy=_kept), *keep)
+    out, vjp = jax.vjp(jax.checkpoint(g, policy=keep_products), *keep)
     leaves, pullback.tree = jax.tree_util.tree_flatten(vjp)
     pullback.refs = [next((j for j, s in enumerate(shared) if leaf is s), None) for leaf in leaves]
     pullback.primals = (tree, diff, [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in flat])
