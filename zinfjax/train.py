@@ -48,8 +48,8 @@ class ReferenceTrainer:
     """The in-memory reference trainer behind a ``step(batch) -> metrics`` interface.
 
     Its step keeps each block's matrix products for the backward and recomputes the rest
-    (``StackedLM.save_products``), as the engine's saved residuals do: the same arithmetic as the plain
-    loop (bitwise in fp32), without stacking every intermediate of every layer.
+    (``StackedLM.save_products``), as the engine's saved residuals do: the plain loop's arithmetic, up to
+    the rounding of the recomputed values, without stacking every intermediate of every layer.
     """
 
     def __init__(self, config: Config, model, mesh):
