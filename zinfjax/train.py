@@ -56,8 +56,7 @@ class ReferenceTrainer:
         self.tx = make_optimizer(config)
         self.mesh = mesh
         self.params, self.opt_state = init_state(lm_init(model), self.tx, mesh, config.seed)
-        saving = model.clone(save_products=True) if hasattr(model, "save_products") else model
-        self.loss = lm_loss(saving)
+        self.loss = lm_loss(model.clone(save_products=True))
         self._step = make_step(self.loss, self.tx, mesh, config.grad_accum)
 
     def next_batch(self, batches: Batches) -> jax.Array:
