@@ -104,6 +104,7 @@ def train(args, name: str, tiers: dict) -> dict:
     return {"step_s": args.batch_size * args.seq_len / tokens_per_s, "tokens_per_s": tokens_per_s,
             "device_peak_GB": max(s.get("device_peak_bytes", 0) for s in steps) / 1e9 or None,
             "host_link_bytes": median("host_link_bytes"),
+            "host_tier_bytes": median("read_bytes_host") + median("write_bytes_host"),
             "nvme_bytes": median("read_bytes_nvme") + median("write_bytes_nvme"),
             "read_bytes_nvme": median("read_bytes_nvme"), "write_bytes_nvme": median("write_bytes_nvme"),
             "stall_s": median("stall_s"), "peak_rss_GB": max(s["peak_rss_bytes"] for s in steps) / 1e9,

@@ -64,11 +64,28 @@ def test_memory_tiers_round_trip(tmp_path, tier, dtype):
             np.testing.assert_array_equal(_bits(got), _bits(data[i]))
 
 
-def test_host_tier_keeps_layers_in_pinned_host(tmp_path):
+def test_host_tier_on_the_cpu_backend_holds_layers_in_device_memory_and_reads_them_without_a_copy(tmp_path):
+    """On the CPU backend device memory is host RAM: the tier keeps the written buffer and hands that same
+    buffer to compute (`host_tier_kind`), so a read costs no copy."""
     like = {"w": jax.ShapeDtypeStruct((L, 5), jnp.float32)}
     with _open("host", like, tmp_path) as store:
-        store.write(0, {"w": jnp.ones(5)})
-        assert store._layers[0][0].sharding.memory_kind == "pinned_host"
+        store.write(0, {"w": jnp.arange(5.0)})
+        held = store._layers[0][0]
+        got = store.read(0).result()["w"]
+    assert store.memory_kind == held.sharding.memory_kind == got.sharding.memory_kind == "device"
+    assert got.unsafe_buffer_pointer() == held.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(np.asarray(got), np.arange(5.0))
+
+
+def test_host_tier_keeps_layers_in_pinned_host_when_told_and_copies_them_to_the_device_on_read(tmp_path):
+    like = {"w": jax.ShapeDtypeStruct((L, 5), jnp.float32)}
+    with _open("host", like, tmp_path, host_kind="pinned_host") as store:
+        store.write(0, {"w": jnp.arange(5.0)})
+        held = store._layers[0][0]
+        got = store.read(0).result()["w"]
+    assert held.sharding.memory_kind == "pinned_host" and got.sharding.memory_kind == "device"
+    assert got.unsafe_buffer_pointer() != held.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(np.asarray(got), np.arange(5.0))
 
 
 def _sharded_like(mesh):

@@ -13,11 +13,12 @@ For a config (model, batch, precision, stage, mesh) and this machine as it is:
   and the free space under ``nvme_path``;
 - a **predicted step time** (the cost model, `predict`):
 
-  ``host = host_bytes / host_copy_bw``, ``nvme = nvme_bytes / nvme_step_bw``,
+  ``host = host_bytes / host_copy_bw`` (0 on the CPU backend, where the host tier is device memory and
+  copies nothing: `zinfjax.store.layout.host_tier_kind`), ``nvme = nvme_bytes / nvme_step_bw``,
   ``floor = nvme_read / disk_read_bw + nvme_write / disk_write_bw``,
   ``step = max(compute + host + nvme, floor)``
 
-  on the CPU backend, where a host-tier copy and the NVMe tier's I/O threads (``O_DIRECT`` system
+  on the CPU backend, where the NVMe tier's I/O threads (``O_DIRECT`` system
   calls, staging copies, crc32c) take the same cores as compute; the disk's own time is a floor.
   On an accelerator host copies and disk I/O overlap compute: ``max(compute, host, floor)``.
   ``compute`` is timed: a few steps of the engine with every tier on device, on the model cut to a
@@ -60,6 +61,7 @@ from zinfjax.engine.budget import COMPILE_RESERVE, LIVE_BASE, default_limit, min
 from zinfjax.engine.store_plan import StoreSpec, budget_needs
 from zinfjax.errors import UserError
 from zinfjax.store.disk import prepare_directory
+from zinfjax.store.layout import host_tier_kind
 from zinfjax.vocabulary import TIER_KEYS, TIERS
 
 MiB = 1 << 20
@@ -407,7 +409,8 @@ def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rate
     shows (`added_rate`), never less than the disk's own time; elsewhere the disk's time.
     """
     compute = rates["reference_s"] if uses_reference(config, tiers) else rates["engine_s"]
-    host = (moved["read_host"] + moved["write_host"]) / (rates["host_copy_GBps"] * 1e9)
+    copy_bw = rates["host_copy_GBps"]  # None: the host tier is device memory and copies nothing
+    host = (moved["read_host"] + moved["write_host"]) / (copy_bw * 1e9) if copy_bw else 0.0
     floor = (moved["read_nvme"] / (rates["disk_read_GBps"] * 1e9)
              + moved["write_nvme"] / (rates["disk_write_GBps"] * 1e9))
     if platform == "cpu":  # copies and the I/O threads take the cores compute uses
@@ -445,20 +448,27 @@ def make_plan(config: Config, probe: bool = True) -> dict:
     rates = dict(NOMINAL, engine_s=nominal_compute(config, model_config))
     rates["reference_s"] = rates["engine_s"]
     factors, notes = None, []
+    host_kind, no_copy = host_tier_kind(jax.devices()[0], config.update_on == "host")
+    copies = host_kind != "device"
+    if not copies:
+        rates["host_copy_GBps"] = None
+        notes.append(f"the host tier copies nothing: {no_copy}")
     if probe:
         if config.nvme_path:  # the probes write under it: a path that cannot hold them is refused in one line
             prepare_directory(config.nvme_path)
         largest = max((math.prod(x.shape[1:]) * np.dtype(x.dtype).itemsize for _, _, like in stores
                        for x in jax.tree.leaves(like)), default=MiB)
-        rates["host_copy_GBps"] = probe_host_copy(int(min(max(largest, MiB), 64 * MiB)))
+        if copies:
+            rates["host_copy_GBps"] = probe_host_copy(int(min(max(largest, MiB), 64 * MiB)))
         if config.nvme_path:
             rates.update(probe_disk(config.nvme_path))
         state = parts["params"] + parts["master"] + parts["optimizer"] + parts["gradients"]
         layers = calibration_layers(model_config, state, machine["host_bytes"])
         calibration = calibrate_engine(config, model_config, layers)
         factors = calibration["traffic"]
-        on_host = calibrate_engine(config, model_config, calibration["layers"], tier="host")
-        rates["host_copy_GBps"] = added_rate(calibration, on_host, rates["host_copy_GBps"])
+        if copies:
+            on_host = calibrate_engine(config, model_config, calibration["layers"], tier="host")
+            rates["host_copy_GBps"] = added_rate(calibration, on_host, rates["host_copy_GBps"])
         if config.nvme_path and machine["platform"] == "cpu":  # only the CPU backend's model uses it
             on_nvme = calibrate_nvme(config, model_config, calibration["layers"])
             disk = 2 / (1 / rates["disk_read_GBps"] + 1 / rates["disk_write_GBps"])
@@ -487,6 +497,10 @@ def make_plan(config: Config, probe: bool = True) -> dict:
             "precision": config.precision, "stage": config.stage, "mesh": config.mesh, "parts": parts,
             "machine": machine, "rates": rates, "probed": probe, "notes": notes,
             "recommended": {"tiers": best["tiers"], "step_s": best["step_s"]}, "placements": rows}
+
+
+def _rate(gbps: float | None) -> str:
+    return "none" if gbps is None else f"{gbps:.2f} GB/s"
 
 
 def recommend(rows: list[dict], within: float = TIE) -> dict:
@@ -561,7 +575,7 @@ def format_plan(plan: dict, top: int = 12) -> str:
     lines += ["", f"machine: host budget {format_bytes(m['host_bytes'])} ({m['host_source']}), device {device}, "
               f"nvme {nvme}",
               f"rates{'' if plan['probed'] else ' (nominal)'}: compute {r['engine_s']:.3f} s/step (engine), "
-              f"{r['reference_s']:.3f} s/step (in-memory), host copy {r['host_copy_GBps']:.2f} GB/s, "
+              f"{r['reference_s']:.3f} s/step (in-memory), host copy {_rate(r['host_copy_GBps'])}, "
               f"disk read {r['disk_read_GBps']:.2f} / write {r['disk_write_GBps']:.2f} GB/s, nvme tier in a step "
               f"{r['nvme_step_GBps']:.2f} GB/s", ""]
     header = f"{'params':<8}{'optimizer':<10}{'gradients':<10}{'activations':<12}{'fits':<6}{'step s':>8}" \

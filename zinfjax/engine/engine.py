@@ -58,7 +58,7 @@ from zinfjax.program.residuals import residual_bytes
 from zinfjax.program.split import Program, unslice
 from zinfjax.program.stages import StageFunctions, differentiable, zero_cotangent
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
-from zinfjax.store.layout import HOST_KINDS, host_memory_kind
+from zinfjax.store.layout import HOST_KINDS, host_tier_kind
 from zinfjax.vocabulary import COMPUTE_DTYPES
 
 
@@ -148,8 +148,8 @@ class Engine:
         self.rules = ShardingRules.for_mesh(mesh, config.stage, tp_rules, threshold)
         self.update_on = update_location(config, mesh)
         self.on_host = self.update_on == "host"
-        # The host tier's memory kind: pinned_host, or the fallback a platform without it gets (recorded in the log).
-        self.host_kind, self.host_kind_fallback = host_memory_kind(mesh.devices.flat[0])
+        # The host tier's memory kind, and why it is not pinned_host (recorded in the log): `host_tier_kind`.
+        self.host_kind, self.host_kind_fallback = host_tier_kind(mesh.devices.flat[0], self.on_host)
         params_kind = self.host_kind if self.on_host and config.params != "device" else "device"
         self.placement, self.stage_fns, self.plan, self.units = compiled(
             program, tx, self.rules, mesh, self.compute_dtype, config.grad_accum, self.on_host, params_kind,
@@ -177,7 +177,7 @@ class Engine:
         self._writing = 0  # bytes of the writes in flight
         self._telemetry: StepTelemetry | None = None
         self._steps_run = 0
-        self.stores = build_stores(config, specs, acts, self.parts)
+        self.stores = build_stores(config, specs, acts, self.parts, self.host_kind)
         self.interrupted_step = crash_marker.interrupted(config)
         try:
             self._fill(source)

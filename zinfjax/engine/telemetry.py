@@ -113,7 +113,7 @@ class StepTelemetry:
                 if r.store.tier is None:  # parameters the forward kept (engine/reuse.py): nothing read
                     continue
                 self.per_device[f"read_bytes_{r.store.tier}_per_device"] += self._bytes(r.store, "read", r.keys)
-                if r.store.tier != "device" and r.memory_kind == "device":
+                if r.store.memory_kind != "device" and r.memory_kind == "device":
                     self.link_bytes += r.store.part_nbytes(r.keys)
         if self.tracer is not None:
             self.tracer.reads(reads.events)
@@ -122,7 +122,7 @@ class StepTelemetry:
         """Counts one layer (or its leaves ``keys``) written to ``store`` by the step (``from_host``: arrays
         already in host memory, which do not cross the host link to reach the host or NVMe tier)."""
         self.per_device[f"write_bytes_{store.tier}_per_device"] += self._bytes(store, "write", keys)
-        if store.tier != "device" and not from_host:
+        if store.memory_kind != "device" and not from_host:
             self.link_bytes += store.part_nbytes(keys)
 
     def add_link(self, nbytes: int) -> None:

@@ -62,12 +62,14 @@ class LayerStore:
 
     Attributes:
         tier: "device", "host" or "nvme".
+        memory_kind: the JAX memory kind the layers are held in (None for the nvme tier, which holds them on disk).
         like: the abstract stacked tree (`jax.ShapeDtypeStruct` leaves).
         layouts: one `LeafLayout` per leaf, in tree order.
         stats: a `StoreStats`.
     """
 
     tier = ""
+    memory_kind: str | None = None
 
     def __init__(self, like, layouts: list[LeafLayout]):
         self.like = like

@@ -25,6 +25,7 @@ def open_store(
     pool: BufferPool | None = None,
     mesh_sharding=None,
     create: bool = True,
+    host_kind: str | None = None,
     **nvme_options,
 ) -> LayerStore:
     """Opens (or creates) a store of stacked leaves on one tier.
@@ -40,6 +41,7 @@ def open_store(
         mesh_sharding: a stacked sharding, or a tree of them matching `like`, for leaves that
             carry no sharding of their own.
         create: for nvme, create the store when none exists at `path/name`.
+        host_kind: for host, the memory kind it keeps its layers in (default: `host_tier_kind`).
         **nvme_options: passed to `NvmeStore` (read_threads, write_threads, file_io_* options).
 
     Returns:
@@ -60,7 +62,7 @@ def open_store(
     if tier == "device":
         return DeviceStore(like, layouts)
     if tier == "host":
-        return HostStore(like, layouts)
+        return HostStore(like, layouts, host_kind)
     if tier == "nvme":
         if path is None:
             raise StoreUsageError("the nvme tier needs a path; set nvme_path=/path/on/fast/disk")

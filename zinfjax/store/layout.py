@@ -82,6 +82,30 @@ def host_memory_kind(device=None) -> tuple[str, str | None]:
     return pick_host_kind(device.platform, [m.kind for m in device.addressable_memories()])
 
 
+CPU_HOST_TIER = ("on the CPU backend device memory is host memory: the host tier keeps its layers there and "
+                 "hands them to compute without a copy")
+
+
+def host_tier_kind(device=None, update_on_host: bool = False) -> tuple[str, str | None]:
+    """The memory kind the host tier keeps its layers in, and why it is not ``pinned_host`` (None when it is).
+
+    On an accelerator: `host_memory_kind`. On the CPU backend the device's memory is host RAM, so a
+    layer in ``pinned_host`` is a second copy of the same bytes in the same RAM, copied on every read
+    and write; the tier keeps it in ``device`` memory instead. The exception is the optimizer update
+    on the host (``update_on=host``), whose operands `compute_on` needs in a host memory kind.
+
+    Example:
+        >>> host_tier_kind(jax.devices("cpu")[0])[0]
+        'device'
+        >>> host_tier_kind(jax.devices("cpu")[0], update_on_host=True)
+        ('pinned_host', None)
+    """
+    device = device or jax.devices()[0]
+    if device.platform == "cpu" and not update_on_host:
+        return "device", CPU_HOST_TIER
+    return host_memory_kind(device)
+
+
 def with_memory_kind(sharding: Sharding, kind: str) -> Sharding:
     """`sharding` placed in JAX memory kind `kind` (`device` or `pinned_host`)."""
     return sharding.with_memory_kind(kind)

@@ -1,8 +1,10 @@
 """The device and host tiers: layers kept as jax.Arrays in a JAX memory kind.
 
 The device tier keeps each layer in memory kind `device`; the host tier keeps it in
-`pinned_host` and copies it to the device on read. Both hand back futures so callers treat every
-tier alike, but the work is JAX's asynchronous dispatch, so the futures complete at once.
+`pinned_host` and copies it to the device on read (on the CPU backend, where device memory is host
+memory, it keeps it in `device` memory and copies nothing: `host_tier_kind`). Both hand back
+futures so callers treat every tier alike, but the work is JAX's asynchronous dispatch, so the
+futures complete at once.
 
 A checkpoint takes a `snapshot` of the layers (immutable arrays) and writes them out in the
 background. So that the old and the new state are not both held, a write of a layer the
@@ -20,7 +22,7 @@ import numpy as np
 
 from zinfjax.store.base import LayerStore, done_future, wait_after
 from zinfjax.store.errors import LayerNotWrittenError
-from zinfjax.store.layout import LeafLayout, host_memory_kind, with_memory_kind
+from zinfjax.store.layout import LeafLayout, host_tier_kind, with_memory_kind
 
 
 class MemoryStore(LayerStore):
@@ -113,11 +115,15 @@ class DeviceStore(MemoryStore):
 
 
 class HostStore(MemoryStore):
-    """The host tier: layers in pinned host memory, copied to the device on read (`host_memory_kind`: a
-    platform without ``pinned_host`` falls back to ``unpinned_host``, else device memory)."""
+    """The host tier: layers in pinned host memory, copied to the device on read.
+
+    ``memory_kind`` defaults to `host_tier_kind`: ``device`` on the CPU backend, where device memory is
+    host memory and a read needs no copy; elsewhere ``pinned_host``, or ``unpinned_host`` on a platform
+    without it.
+    """
 
     tier = "host"
 
-    def __init__(self, like, layouts: list[LeafLayout]):
+    def __init__(self, like, layouts: list[LeafLayout], memory_kind: str | None = None):
         device = next(iter(layouts[0].sharding.device_set)) if layouts else None
-        super().__init__(like, layouts, host_memory_kind(device)[0])
+        super().__init__(like, layouts, memory_kind or host_tier_kind(device)[0])
