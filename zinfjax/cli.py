@@ -369,8 +369,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+HUGE_PAGE_COMMANDS = ("train", "plan", "generate")  # those that run steps: see zinfjax/allocator.py
+
+
+def console() -> int:
+    """Entry point of the ``zinfjax`` console script (and ``python -m zinfjax.cli``): the commands that run
+    steps start again once with malloc on transparent huge pages (`zinfjax.allocator.restart_with_huge_pages`)."""
+    if len(sys.argv) > 1 and sys.argv[1] in HUGE_PAGE_COMMANDS and "-h" not in sys.argv and "--help" not in sys.argv:
+        from zinfjax.allocator import restart_with_huge_pages
+
+        restart_with_huge_pages()
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``zinfjax`` console script."""
+    """The ``zinfjax`` command on ``argv`` (default: ``sys.argv[1:]``); returns its exit status."""
     args = parser().parse_args(argv)
     if not getattr(args, "func", None):
         parser().print_help()
@@ -426,4 +439,4 @@ def _exit_now_if_distributed(code: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from zinfjax import models, rss
+from zinfjax import allocator, models, rss
 from zinfjax.byte_sizes import format_bytes
 from zinfjax.checkpoint import CheckpointManager, CheckpointSaveError, CheckpointSource
 from zinfjax.checkpoint.resume import plan_start, resume_directory
@@ -186,7 +186,8 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     model, trainer = build_trainer(config.replace(nvme_path=process_nvme_path(config.nvme_path)))
     tracer = _attach_tracer(trainer, trace if main else None)
     log = {"config": config.to_dict(), "processes": jax.process_count(), "devices": jax.device_count(),
-           "init_s": time.perf_counter() - started, "init_peak_rss_bytes": rss.peak_bytes(), "steps": []}
+           "init_s": time.perf_counter() - started, "init_peak_rss_bytes": rss.peak_bytes(),
+           "malloc_huge_pages": allocator.huge_pages(), "steps": []}
     first = _start(trainer, batches, log, main)
     schedule = make_schedule(config)
     if config.warmup_steps > config.steps and main:

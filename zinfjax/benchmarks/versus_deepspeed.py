@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 
+from zinfjax.allocator import huge_pages_env, thp_mode
 from zinfjax.benchmarks.cgroup import MemoryCgroup
 from zinfjax.benchmarks.deepspeed_step import CONSTRUCTIONS, ds_config
 from zinfjax.benchmarks.io import parse_size, raw_direct_io
@@ -72,8 +73,15 @@ def child_env() -> dict[str, str]:
     return env | {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
 
 
-def run_measured(args, module_argv: list[str], imports: tuple[str, ...] = ()) -> dict:
-    """Runs ``python -m MODULE ...`` under zinfjax.benchmarks.process, in a memory cgroup when one is writable.
+def zinfjax_env() -> dict[str, str]:
+    """The environment of a zinfjax run: `child_env` with malloc on transparent huge pages, as the ``zinfjax``
+    command gives itself (`zinfjax.allocator.restart_with_huge_pages`). DeepSpeed's runs get `child_env`."""
+    return huge_pages_env(child_env(), platform.libc_ver()[0], thp_mode()) or child_env()
+
+
+def run_measured(args, module_argv: list[str], imports: tuple[str, ...] = (), env: dict | None = None) -> dict:
+    """Runs ``python -m MODULE ...`` under zinfjax.benchmarks.process, in a memory cgroup when one is writable,
+    in ``env`` (default: `child_env`).
 
     Returns its exit status, stdout, the tail of its stderr, wall time, its own report (peak RSS,
     start-up) and, in a cgroup, the group's peak usage and OOM kills.
@@ -84,13 +92,13 @@ def run_measured(args, module_argv: list[str], imports: tuple[str, ...] = ()) ->
            *[a for name in imports for a in ("--import", name)], *module_argv]
     cgroup = MemoryCgroup(args.memory_limit or -1) if MemoryCgroup.available() else None
     with cgroup or contextlib.nullcontext():
-        out = run_child(cgroup.command(cmd) if cgroup else cmd, args.timeout)
+        out = run_child(cgroup.command(cmd) if cgroup else cmd, args.timeout, env)
         if cgroup is not None:
             out |= {"cgroup_max_usage_bytes": cgroup.max_usage_bytes(), "cgroup_oom_kills": cgroup.oom_kills()}
     return out | {"report": read_report(report)}
 
 
-def run_child(cmd: list[str], timeout: int) -> dict:
+def run_child(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
     """Runs ``cmd`` to its end or ``timeout``: exit status (None on timeout), stdout, stderr's tail, wall time.
 
     ``other_cpu_cores``: the CPU cores that processes other than this benchmark and its child kept
@@ -98,7 +106,7 @@ def run_child(cmd: list[str], timeout: int) -> dict:
     """
     busy0, own0, start = machine_busy_s(), own_cpu_s(), time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, env=env or child_env(), capture_output=True, text=True, timeout=timeout)
         out = {"exit": proc.returncode, "stdout": proc.stdout, "stderr_tail": proc.stderr[-4000:]}
     except subprocess.TimeoutExpired as e:
         stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -202,7 +210,7 @@ def run_zinfjax(args, run: str, precision: str) -> dict:
     log_path = os.path.join(args.dir, f"zinfjax-{run}-{precision}.json")
     overrides = zinfjax_overrides(args, run, precision, log_path)
     child = run_measured(args, ["zinfjax.cli", "train", "--quiet", *[a for o in overrides for a in ("--set", o)]],
-                         imports=("zinfjax.train",))
+                         imports=("zinfjax.train",), env=zinfjax_env())
     if child["exit"] != 0:
         return {"error": failure(args, child), "command": zinfjax_command(overrides)}
     with open(log_path) as f:
@@ -213,7 +221,7 @@ def run_zinfjax(args, run: str, precision: str) -> dict:
     out = {"step_s": timed_median(args, times), "step_times_s": times, "losses": [s["loss"] for s in steps],
            **memory_figures(child), "init_s": child["report"]["startup_s"] + log["init_s"],
            "startup_s": child["report"]["startup_s"], "setup_s": log["init_s"], "process_wall_s": child["wall_s"],
-           "other_cpu_cores": child["other_cpu_cores"],
+           "other_cpu_cores": child["other_cpu_cores"], "malloc_huge_pages": log.get("malloc_huge_pages"),
            "step_s_from": "the log's step_s (engine)" if "step_s" in steps[0] else
            "batch_size * seq_len / tokens_per_s of the log (the in-memory trainer logs no step_s)",
            "command": zinfjax_command(overrides)}

@@ -1,0 +1,48 @@
+"""malloc on transparent huge pages: the environment ``zinfjax train`` restarts itself with, and that it does."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from zinfjax.allocator import HUGE_PAGES, huge_pages_env, thp_mode
+
+
+def test_the_tunable_is_added_once_beside_the_users_own():
+    env = huge_pages_env({"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "glibc", "madvise")
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGE_PAGES}"}
+    assert huge_pages_env(env, "glibc", "madvise") is None  # already there: no second restart
+    assert huge_pages_env({}, "glibc", "always") == {"GLIBC_TUNABLES": HUGE_PAGES}
+
+
+@pytest.mark.parametrize("environ,libc,mode", [({"ZINFJAX_HUGE_PAGES": "0"}, "glibc", "madvise"),
+                                               ({}, "", "madvise"),  # musl, or not Linux
+                                               ({}, "glibc", "never"), ({}, "glibc", None)])
+def test_nothing_is_added_when_turned_off_or_not_glibc_or_the_kernel_has_no_huge_pages(environ, libc, mode):
+    assert huge_pages_env(environ, libc, mode) is None
+
+
+def test_the_kernel_mode_is_the_bracketed_word(tmp_path):
+    path = tmp_path / "enabled"
+    path.write_text("always [madvise] never\n")
+    assert thp_mode(str(path)) == "madvise"
+    assert thp_mode(str(tmp_path / "missing")) is None
+
+
+def _train_log(tmp_path, **env) -> dict:
+    log = tmp_path / "log.json"
+    child_env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | env
+    out = subprocess.run([sys.executable, "-m", "zinfjax.cli", "train", "--quiet", "--set", "model=gpt2-tiny",
+                          "--set", "steps=1", "--set", f"log={log}"], env=child_env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(log.read_text())
+
+
+def test_zinfjax_train_runs_on_huge_pages_where_the_machine_has_them_and_not_when_turned_off(tmp_path):
+    available = huge_pages_env({}, platform.libc_ver()[0], thp_mode()) is not None
+    assert _train_log(tmp_path)["malloc_huge_pages"] is available
+    assert _train_log(tmp_path, ZINFJAX_HUGE_PAGES="0")["malloc_huge_pages"] is False
