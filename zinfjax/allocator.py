@@ -123,11 +123,16 @@ def huge_pages_env(environ: dict[str, str], libc: str, mode: str | None) -> dict
     return {**environ, "GLIBC_TUNABLES": ":".join([*tunables, HUGE_PAGES])}
 
 
+def with_huge_pages(environ: dict[str, str]) -> dict[str, str] | None:
+    """`huge_pages_env` for this machine's C library and kernel."""
+    return huge_pages_env(environ, platform.libc_ver()[0], thp_mode())
+
+
 def restart_with_huge_pages() -> None:
-    """Starts this process again, the same command line (``sys.orig_argv``), with `huge_pages_env`; returns
+    """Starts this process again, the same command line (``sys.orig_argv``), with `with_huge_pages`; returns
     only when there is nothing to add. Call it first thing, before any thread or output.
     """
-    env = huge_pages_env(dict(os.environ), platform.libc_ver()[0], thp_mode())
+    env = with_huge_pages(dict(os.environ))
     if env is None:
         return
     sys.stdout.flush()

@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 
-from zinfjax.allocator import huge_pages_env, thp_mode
+from zinfjax.allocator import with_huge_pages
 from zinfjax.benchmarks.cgroup import MemoryCgroup
 from zinfjax.benchmarks.deepspeed_step import CONSTRUCTIONS, ds_config
 from zinfjax.benchmarks.io import parse_size, raw_direct_io
@@ -76,7 +76,8 @@ def child_env() -> dict[str, str]:
 def zinfjax_env() -> dict[str, str]:
     """The environment of a zinfjax run: `child_env` with malloc on transparent huge pages, as the ``zinfjax``
     command gives itself (`zinfjax.allocator.restart_with_huge_pages`). DeepSpeed's runs get `child_env`."""
-    return huge_pages_env(child_env(), platform.libc_ver()[0], thp_mode()) or child_env()
+    env = child_env()
+    return with_huge_pages(env) or env
 
 
 def run_measured(args, module_argv: list[str], imports: tuple[str, ...] = (), env: dict | None = None) -> dict:

@@ -227,15 +227,16 @@ def preflight(config: Config, specs: list[StoreSpec], parts: dict | None = None)
 
 def build_stores(config: Config, specs: list[StoreSpec], acts: dict[int, StoreSpec],
                  parts: dict | None = None, host_kind: str | None = None) -> EngineStores:
-    """Checks the specs against the disk and the buffer budget, then opens every store (empty); the host
-    tier's in memory kind ``host_kind`` (default: `zinfjax.store.layout.host_tier_kind`)."""
+    """Checks the specs against the disk and the buffer budget, then opens every store (empty), the host
+    tier's in its memory kind ``host_kind`` (default: `zinfjax.store.layout.host_tier_kind`)."""
     preflight(config, specs + list(acts.values()), parts)
     pool = staging_pool(config.host_buffer_bytes)
     opened: dict[str, dict[str, LayerStore]] = {}
 
     def open_one(spec: StoreSpec) -> LayerStore:
-        options = SCRATCH_NVME if spec.tier == "nvme" else {"host_kind": host_kind} if spec.tier == "host" else {}
-        return open_store(spec.tier, spec.like, path=config.nvme_path, name=spec.name, pool=pool, **options)
+        options = SCRATCH_NVME if spec.tier == "nvme" else {}
+        return open_store(spec.tier, spec.like, path=config.nvme_path, name=spec.name, pool=pool,
+                          host_kind=host_kind, **options)
 
     out = EngineStores(opened, {}, pool)
     try:
