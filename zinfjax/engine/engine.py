@@ -54,9 +54,9 @@ from zinfjax.engine.units import Units
 from zinfjax.errors import UserError
 from zinfjax.program import jaxpr as jx
 from zinfjax.program.optimizer import UpdatePlan, combine_partials
-from zinfjax.program.residuals import residual_bytes
+from zinfjax.program.residuals import differentiable, residual_bytes, zero_cotangent
 from zinfjax.program.split import Program, unslice
-from zinfjax.program.stages import StageFunctions, differentiable, zero_cotangent
+from zinfjax.program.stages import StageFunctions
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
 from zinfjax.store.layout import HOST_KINDS, host_tier_kind
 from zinfjax.vocabulary import COMPUTE_DTYPES
@@ -588,14 +588,16 @@ class _Step:
     # ---- backward ----------------------------------------------------------------------------
 
     def _cotangent(self, v):
+        """``v``'s cotangent so far: zeros when it has none yet, None when its values (integers) carry none."""
         if v in self.cts:
             return self.cts[v]
         if v is self.p.loss_var:
             return jnp.broadcast_to(self.scale.astype(v.aval.dtype), self.env[v].shape)
-        return zero_cotangent(self.env[v])
+        return zero_cotangent(self.env[v]) if differentiable(v.aval) else None
 
     def _add_ct(self, v, c) -> None:
-        if not jx.is_var(v) or v in self.p.batch_vars or v is self.p.rng_var or not differentiable(v.aval):
+        if c is None or not jx.is_var(v) or v in self.p.batch_vars or v is self.p.rng_var or not differentiable(
+                v.aval):
             return
         self.cts[v] = self.cts[v] + c if v in self.cts else c
 
@@ -673,7 +675,8 @@ class _Step:
                 if kind == "var" and c is not None:
                     self._add_ct(what, c)
             for j, v in enumerate(stage.xs_vars):
-                self._add_ct(v, jnp.stack([state["d_xs"][i][j] for i in range(stage.length)], axis=1))
+                if differentiable(v.aval):  # the others' cotangents are None
+                    self._add_ct(v, jnp.stack([state["d_xs"][i][j] for i in range(stage.length)], axis=1))
             self._add_grads(state["d_params"])
             state.clear()
 
@@ -691,12 +694,13 @@ class _Step:
         n, saved = len(s_groups), self.e.saves_residuals
         slices = self._values(stage.streams, s_groups, trees[:n])
         carry = self.final_carry[stage.position] if saved else [trees[n][f"carry{j}"] for j in range(stage.num_carry)]
-        if any(c is None for c in state["d_carry"]):
-            state["d_carry"] = [zero_cotangent(carry[j]) if c is None else c for j, c in enumerate(state["d_carry"])]
+        if any(c is None and differentiable(jax.typeof(carry[j])) for j, c in enumerate(state["d_carry"])):
+            state["d_carry"] = [zero_cotangent(carry[j]) if c is None and differentiable(jax.typeof(carry[j])) else c
+                                for j, c in enumerate(state["d_carry"])]
         outvars = stage.eqn.outvars[stage.num_carry:]
         d_ys = [self.cts[v][:, i] if v in self.cts else
                 zero_cotangent(jax.ShapeDtypeStruct((self.e.micro, *v.aval.shape[1:]), v.aval.dtype))
-                for v in outvars]
+                if differentiable(v.aval) else None for v in outvars]
         name = f"{label(self.p, stage)}_bwd"
         if saved:
             d_params, d_slices, d_ins, state["d_carry"], d_xs = self.e._dispatch(
@@ -713,8 +717,8 @@ class _Step:
         if state["d_ins"] is None:
             state["d_ins"] = d_ins
         else:
-            state["d_ins"] = [a + b if differentiable(jax.typeof(b)) else a for a, b in zip(state["d_ins"], d_ins,
-                                                                                             strict=True)]
+            state["d_ins"] = [a if b is None else b if a is None else a + b
+                              for a, b in zip(state["d_ins"], d_ins, strict=True)]
         state["d_xs"][i] = d_xs
         by_group = dict(zip(s_groups, trees[:n], strict=True))
         rest = list(trees[n + (0 if saved else 1):])
@@ -784,13 +788,22 @@ class _Step:
         has_state = bool(state_paths)
         opt = upd[0] if has_state else {}
         master = upd[1 if has_state else 0] if e.stores.master else params_tree
-        # The fused update's gradient is its own, and optimizer state read from NVMe is a fresh buffer: the
-        # new state and parameters may take over their memory (docs/design.md, invariant 2).
-        on_nvme = has_state and self._store("opt", group).tier == "nvme"
-        # The update on the host takes gradients from the device: theirs is no buffer its outputs can reuse.
-        donate = ((2,) if on_nvme else ()) if e.on_host else ((1, 2) if on_nvme else (1,))
         self._apply(group, i, [master[p] for p in paths], grads, [opt[p] for p in state_paths], sweep=0, totals=[],
-                    grad_div=jnp.float32(1), donate=donate, part=part)
+                    grad_div=np.float32(1), donate=self._donated(group, i, has_state), part=part)
+
+    def _donated(self, group: str, i: int, has_state: bool) -> tuple[int, ...]:
+        """The fused update's arguments (master 0, gradients 1, state 2) whose buffers its outputs may take over
+        (docs/design.md, invariant 2): its own gradient; optimizer state read from NVMe, a fresh buffer; and
+        master and state that an in-memory tier hands over (`LayerStore.hands_over`), as the outputs replace
+        them there at once. The update on the host takes gradients and in-memory state from the device: no
+        buffers its host outputs can reuse."""
+        opt = self._store("opt", group) if has_state else None
+        on_nvme = opt is not None and opt.tier == "nvme"
+        if self.e.on_host:
+            return (2,) if on_nvme else ()
+        source = self._store("master" if self.e.stores.master else "params", group)
+        state = on_nvme or (opt is not None and opt.hands_over(i))
+        return tuple(k for k, yes in ((0, source.hands_over(i)), (1, True), (2, state)) if yes)
 
     def _apply(self, group: str, i: int, master: list, grads: list, state: list, sweep: int, totals: list,
                grad_div, donate: tuple[int, ...] = (), part: Part | None = None) -> None:

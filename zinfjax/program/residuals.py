@@ -62,6 +62,20 @@ def zero_cotangent(x):
     return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
+def cotangent_for(c, out):
+    """The cotangent a VJP takes for the output ``out`` (a value or an aval): ``c``, where ``out`` carries a
+    gradient and ``c`` is given; zeros where ``c`` is None (no cotangent); float0 zeros where ``out`` has no
+    gradient."""
+    if not differentiable(out if isinstance(out, jax.ShapeDtypeStruct) else jax.typeof(out)):
+        return np.zeros(np.shape(out), jax.dtypes.float0)
+    return jnp.zeros(np.shape(out), out.dtype) if c is None else c
+
+
+def cotangents_for(cotangents, outs):
+    """`cotangent_for` over a tree of cotangents (None where there is none) and the outputs' tree."""
+    return jax.tree.map(cotangent_for, cotangents, outs, is_leaf=lambda x: x is None)
+
+
 class Pullback:
     """What `save_vjp` learnt while tracing: the pullback's structure, which of its leaves are shared inputs,
     and the avals of the primals and outputs, so `apply_saved` can rebuild it in another function."""
@@ -99,12 +113,12 @@ def save_vjp(f, primals: tuple, shared: list, pullback: Pullback):
 
 
 def apply_saved(pullback: Pullback, kept: list, shared: list, cotangents):
-    """The VJP `save_vjp` saved, at ``cotangents``: gradients shaped like its primals (float0 zeros where none)."""
+    """The VJP `save_vjp` saved, at ``cotangents`` (None where there is none): gradients shaped like its primals
+    (float0 zeros where none)."""
     it = iter(kept)
     leaves = [shared[r] if r is not None else next(it) for r in pullback.refs]
     vjp = jax.tree_util.tree_unflatten(pullback.tree, leaves)
-    cts = jax.tree.map(lambda c, o: c if differentiable(o) else np.zeros(o.shape, jax.dtypes.float0), cotangents,
-                       pullback.outs)
+    cts = cotangents_for(cotangents, pullback.outs)
     grads = iter(vjp(cts))
     tree, diff, avals = pullback.primals
     full = [next(grads) if d else np.zeros(a.shape, jax.dtypes.float0) for a, d in zip(avals, diff, strict=True)]

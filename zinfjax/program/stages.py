@@ -9,6 +9,8 @@ gradients, as the reference loop averages them.
 A whole stage: ``fwd(params, ins) -> outs`` and ``bwd(params, ins, d_outs) -> (d_params, d_ins)``.
 A scan iteration: ``fwd(params, slices, ins, carry, xs) -> (carry, ys)`` and
 ``bwd(params, slices, ins, carry, xs, d_carry, d_ys) -> (d_params, d_slices, d_ins, d_carry, d_xs)``.
+A backward takes None for a cotangent that is not there and returns None for the cotangent of an
+integer value (`without_float0`).
 ``params`` and ``slices`` map leaf indices to arrays; ``ins``/``outs`` are lists aligned with the
 stage's residual variables. Backward functions recompute their forward inside the VJP
 (activation checkpointing at stage and layer boundaries); the ``_saving`` forwards and ``_saved``
@@ -29,7 +31,7 @@ from zinfjax.program.memo import instance_cache
 from zinfjax.program.residuals import (
     Pullback,
     apply_saved,
-    differentiable,
+    cotangents_for,
     of_differentiable,
     save_vjp,
     zero_cotangent,
@@ -40,14 +42,24 @@ def _mean0(tree):
     return jax.tree.map(lambda g: jnp.mean(g, axis=0), tree)
 
 
+def without_float0(tree):
+    """``tree`` with None for its float0 leaves (the cotangents of integer values, which are no gradient).
+
+    A compiled function whose outputs are all arrays keeps JAX's C++ dispatch path; a float0 output
+    (a numpy array made in Python on every call) sends each call down the slower Python path.
+    """
+    return jax.tree.map(lambda x: None if x.dtype == jax.dtypes.float0 else x, tree)
+
+
 def vjp_of(f, primals: tuple, cotangents):
-    """``f``'s VJP at ``primals`` for ``cotangents``; inputs without a gradient get float0 zeros.
+    """``f``'s VJP at ``primals`` for ``cotangents`` (None where there is none); inputs without a gradient get
+    float0 zeros.
 
     ``primals`` is a tuple of pytrees; only inexact leaves are differentiated.
     """
     g, keep, flat, tree, diff = of_differentiable(f, primals)
     out, vjp = jax.vjp(g, *keep)
-    cts = jax.tree.map(lambda c, o: c if differentiable(jax.typeof(o)) else zero_cotangent(o), cotangents, out)
+    cts = cotangents_for(cotangents, out)
     grads = iter(vjp(cts))
     full = [next(grads) if d else zero_cotangent(x) for x, d in zip(flat, diff, strict=True)]
     return jax.tree_util.tree_unflatten(tree, full)
@@ -112,7 +124,7 @@ class StageFunctions:
                 return vjp_of(lambda p, i: self._run_whole(stage, p, i), (params, ins_a), d_a)
 
             d_params, d_ins = self._map(one, (ins, d_outs))
-            return self._grads(_mean0(d_params)), self._rows(d_ins)
+            return without_float0((self._grads(_mean0(d_params)), self._rows(d_ins)))
 
         return jax.jit(bwd)
 
@@ -167,8 +179,8 @@ class StageFunctions:
                 return vjp_of(f, (params, slices, ins_a, carry_a, xs_a), (dc_a, dy_a))
 
             d_params, d_slices, d_ins, d_carry, d_xs = self._map(one, (ins, carry, xs, d_carry, d_ys))
-            return (self._grads(_mean0(d_params)), self._grads(_mean0(d_slices)), self._rows(d_ins),
-                    self._rows(d_carry), self._rows(d_xs))
+            return without_float0((self._grads(_mean0(d_params)), self._grads(_mean0(d_slices)), self._rows(d_ins),
+                                   self._rows(d_carry), self._rows(d_xs)))
 
         return jax.jit(bwd)
 
@@ -203,7 +215,7 @@ class StageFunctions:
             params = self._params(params)
             d_params, d_ins = self._map(lambda a: apply_saved(pullback, a[0], list(params.values()), a[1]),
                                         (kept, d_outs))
-            return self._grads(_mean0(d_params)), self._rows(d_ins)
+            return without_float0((self._grads(_mean0(d_params)), self._rows(d_ins)))
 
         return jax.jit(bwd)
 
@@ -236,8 +248,8 @@ class StageFunctions:
             shared = [*params.values(), *slices.values()]
             d_params, d_slices, d_ins, d_carry, d_xs = self._map(
                 lambda a: apply_saved(pullback, a[0], shared, (a[1], a[2])), (kept, d_carry, d_ys))
-            return (self._grads(_mean0(d_params)), self._grads(_mean0(d_slices)), self._rows(d_ins),
-                    self._rows(d_carry), self._rows(d_xs))
+            return without_float0((self._grads(_mean0(d_params)), self._grads(_mean0(d_slices)), self._rows(d_ins),
+                                   self._rows(d_carry), self._rows(d_xs)))
 
         return jax.jit(bwd)
 

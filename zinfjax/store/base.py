@@ -105,6 +105,17 @@ class LayerStore:
         """Bytes of one whole layer (all leaves, all shards)."""
         return sum(lay.layer_nbytes for lay in self.layouts)
 
+    def hands_over(self, i: int) -> bool:
+        """Whether a computation may take over the buffers a read of layer ``i`` returns, its outputs being
+        written back to this store right after: true only for a tier that holds its layers in memory and
+        whose layer ``i`` no checkpoint snapshot holds (`zinfjax.store.memory.MemoryStore`).
+
+        Example:
+            >>> store.hands_over(3)  # doctest: +SKIP
+            True
+        """
+        return False
+
     def part_nbytes(self, keys=None) -> int:
         """Bytes of the leaves ``keys`` of one layer (all shards); every leaf when None."""
         return sum(self.layouts[k].layer_nbytes for k in self.leaf_indices(keys))

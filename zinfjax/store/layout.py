@@ -9,6 +9,7 @@ shape (which is the nvme chunk), and which shards this process reads and writes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -175,16 +176,16 @@ class LeafLayout:
     sharding: Sharding
     shards: tuple[Shard, ...]
 
-    @property
+    @functools.cached_property  # asked per read and write
     def shard_shape(self) -> tuple[int, ...]:
         """The shape of one device shard of a layer; one nvme chunk is `(1, *shard_shape)`."""
         return tuple(self.sharding.shard_shape(self.layer_shape))
 
-    @property
+    @functools.cached_property  # asked per read and write
     def shard_nbytes(self) -> int:
         return int(np.prod(self.shard_shape, dtype=np.int64)) * self.dtype.itemsize
 
-    @property
+    @functools.cached_property  # asked per read and write
     def layer_nbytes(self) -> int:
         return int(np.prod(self.layer_shape, dtype=np.int64)) * self.dtype.itemsize
 

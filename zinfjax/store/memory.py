@@ -6,6 +6,9 @@ memory, it keeps it in `device` memory and copies nothing: `host_tier_kind`). Bo
 futures so callers treat every tier alike, but the work is JAX's asynchronous dispatch, so the
 futures complete at once.
 
+The engine's update takes over the buffers of the layer it updates (`hands_over`: JAX buffer
+donation) and writes its outputs back at once, so the new state reuses the old state's memory.
+
 A checkpoint takes a `snapshot` of the layers (immutable arrays) and writes them out in the
 background. So that the old and the new state are not both held, a write of a layer the
 checkpoint has not saved yet waits until it has (`saved`): a save costs one layer in flight, not a
@@ -23,6 +26,14 @@ import numpy as np
 from zinfjax.store.base import LayerStore, done_future, wait_after
 from zinfjax.store.errors import LayerNotWrittenError
 from zinfjax.store.layout import LeafLayout, host_tier_kind, with_memory_kind
+
+
+def placed(x, sharding):
+    """``x`` in ``sharding``: ``x`` itself when it is there already (a device_put would hand it back too, at
+    a cost per leaf of every read and write), else a device_put."""
+    if isinstance(x, jax.Array) and x.committed and x.sharding == sharding:
+        return x
+    return jax.device_put(x, sharding)
 
 
 class MemoryStore(LayerStore):
@@ -60,13 +71,18 @@ class MemoryStore(LayerStore):
                 raise LayerNotWrittenError(
                     f"layer {i} of the {self.tier} store was read before it was written"
                 )
-            out = [jax.device_put(held[k], self.read_sharding(k, memory_kind)) for k in ks]
+            out = [placed(held[k], self.read_sharding(k, memory_kind)) for k in ks]
         except Exception as e:  # noqa: BLE001 - every failure belongs in the future
             fut: Future = Future()
             fut.set_exception(e)
             return fut
         self.stats.bytes_read += sum(self.layouts[k].layer_nbytes for k in ks)
         return done_future(self._unflatten(out, ks))
+
+    def hands_over(self, i: int) -> bool:
+        """A read hands out the held arrays themselves (or copies of them): an update may take them over
+        when it writes its outputs back at once, unless a checkpoint still saves layer ``i``."""
+        return i not in self._saving
 
     def snapshot(self) -> list[list]:
         """Every layer's arrays as they are now. They are immutable, so a later write does not change them.
@@ -98,7 +114,7 @@ class MemoryStore(LayerStore):
             # device_put may alias an aligned numpy array on the CPU backend; the caller may reuse
             # its array, so the store keeps a private copy.
             x = np.array(x, copy=True)
-        return jax.device_put(x, sharding)
+        return placed(x, sharding)
 
     def _release(self) -> None:
         self.release_saves()
