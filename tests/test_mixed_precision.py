@@ -24,7 +24,7 @@ import numpy as np
 import optax
 import pytest
 
-from tests.engine_helpers import batches, config, make_engine, relative_error
+from tests.engine_helpers import assert_bitwise, batches, config, make_engine, relative_error
 from zinfjax import models
 from zinfjax.checkpoint import CheckpointManager, CheckpointSource
 from zinfjax.engine.engine import LossScale
@@ -72,6 +72,37 @@ def engine_losses(c, steps=STEPS):
         return losses, jax.tree.map(np.asarray, engine.params()), engine.loss_scale.value
     finally:
         engine.close()
+
+
+def _reads_per_step(c, steps: int = 3):
+    """Losses, the master, and the bytes one step reads from the parameters' (compute copy's) stores."""
+    engine, data = make_engine(c), batches(c)
+    try:
+        losses = [engine.train_step(next(data))["loss"] for _ in range(steps - 1)]
+        before = sum(s.stats.bytes_read for s in engine.stores.params.values())
+        losses.append(engine.train_step(next(data))["loss"])
+        read = sum(s.stats.bytes_read for s in engine.stores.params.values()) - before
+        streamed = sum(s.layer_nbytes * s.num_layers for g, s in engine.stores.params.items()
+                       if engine.program.groups[g].streamed)
+        return losses, jax.tree.map(np.asarray, engine.params()), read, streamed
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("mesh, stage", [("data:1", 0), ("data:2", 3)])
+def test_the_backward_casts_the_compute_copy_from_the_master_the_update_reads(tmp_path, mesh, stage):
+    """With the compute copy on NVMe, a layer's backward takes it from the fp32 master its fused update reads,
+    cast as the update casts it, instead of reading it again: the run is bit for bit the one that reads it
+    (every tier on host, where a read costs nothing and the engine reads), with one streamed compute copy
+    fewer read per step."""
+    base = config(mesh=mesh, stage=stage, precision="bf16")
+    host = base.replace(params="host", optimizer="host", gradients="host", activations="host")
+    nvme = base.replace(params="nvme", optimizer="nvme", activations="nvme", nvme_path=str(tmp_path / "nvme"))
+    host_losses, host_params, host_read, streamed = _reads_per_step(host)
+    nvme_losses, nvme_params, nvme_read, _ = _reads_per_step(nvme)
+    assert nvme_losses == host_losses
+    assert_bitwise(nvme_params, host_params)
+    assert host_read - nvme_read == streamed, (host_read, nvme_read, streamed)
 
 
 # The last case splits each block's products over two devices (tensor parallelism) with their own VJP

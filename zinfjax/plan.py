@@ -391,12 +391,19 @@ def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dic
 
 
 def traffic(stores, tiers: dict[str, str], factors: dict | None) -> dict[str, float]:
-    """Bytes read from and written to each tier per step."""
+    """Bytes read from and written to each tier per step.
+
+    ``factors``: by tier, the reads and writes per byte each store made in a calibration run with every
+    tier there (``{"device": {...}, "nvme": {...}}``); a tier without its own run takes the device run's.
+    They differ: with the compute copy on NVMe, the backward casts it from the master instead of reading
+    it again.
+    """
     out = {f"{op}_{t}": 0.0 for t in TIERS for op in ("read", "write")}
+    factors = factors or {}
     for kind, group, like in stores:
         n = tree_bytes(like)
-        r, w = (factors or {}).get(f"{kind}|{group}") or NOMINAL_TRAFFIC[kind]
         tier = tiers[KIND_TIER[kind]]
+        r, w = factors.get(tier, factors.get("device", {})).get(f"{kind}|{group}") or NOMINAL_TRAFFIC[kind]
         out[f"read_{tier}"] += r * n
         out[f"write_{tier}"] += w * n
     return out
@@ -465,12 +472,13 @@ def make_plan(config: Config, probe: bool = True) -> dict:
         state = parts["params"] + parts["master"] + parts["optimizer"] + parts["gradients"]
         layers = calibration_layers(model_config, state, machine["host_bytes"])
         calibration = calibrate_engine(config, model_config, layers)
-        factors = calibration["traffic"]
+        factors = {"device": calibration["traffic"]}
         if copies:
             on_host = calibrate_engine(config, model_config, calibration["layers"], tier="host")
             rates["host_copy_GBps"] = added_rate(calibration, on_host, rates["host_copy_GBps"])
         if config.nvme_path and machine["platform"] == "cpu":  # only the CPU backend's model uses it
             on_nvme = calibrate_nvme(config, model_config, calibration["layers"])
+            factors["nvme"] = on_nvme["traffic"]
             disk = 2 / (1 / rates["disk_read_GBps"] + 1 / rates["disk_write_GBps"])
             rates["nvme_step_GBps"] = added_rate(calibration, on_nvme, disk)
         rates["engine_s"] = scale_to_model(calibration["step_s"], config, model_config, calibration["layers"])

@@ -653,6 +653,8 @@ class _Step:
                 key = (stage.position, i)
                 s_reads = [Read(r.track, self.held.slot(key, k), i, ready=lambda key=key: self.held.has(key))
                            for k, r in enumerate(s_reads)]
+            cast = {g.name for g in owned if self._casts_compute_copy(g.name, stage.position, i)}
+            read = [(g, r) for g, r in zip(s_groups, s_reads, strict=True) if g not in cast]
             act = [] if self.e.saves_residuals else [
                 Read(f"acts_{label(self.p, stage)}", acts, i, ready=lambda i=i: (stage.position, i) in self.written)]
             extra = []
@@ -662,8 +664,8 @@ class _Step:
                 if g.name in self.e._tied:
                     extra.append(Read(track("grads", g.name), self._store("grads", g.name), i,
                                       ready=lambda g=g, i=i: ("grads", g.name, i) in self.written))
-            ops.append(Op("scan_bwd", i, s_reads + act + extra,
-                          functools.partial(self._scan_step, stage, state, i, s_groups, owned)))
+            ops.append(Op("scan_bwd", i, [r for _, r in read] + act + extra,
+                          functools.partial(self._scan_step, stage, state, i, s_groups, [g for g, _ in read], owned)))
             ops += [Op("update_part", i, self._update_reads(g.name, i, part),
                        functools.partial(self._update_part, g.name, i, part))
                     for g in owned for part in self.e.parts.get(g.name, [])]
@@ -690,10 +692,32 @@ class _Step:
                                                            trees[len(done):])))
         return ops
 
-    def _scan_step(self, stage, state, i: int, s_groups, owned, trees) -> None:
-        n, saved = len(s_groups), self.e.saves_residuals
-        slices = self._values(stage.streams, s_groups, trees[:n])
+    def _casts_compute_copy(self, group: str, position: int, i: int) -> bool:
+        """Whether the backward of unit ``i`` of ``group`` takes its compute copy from the fp32 master its fused
+        update reads anyway, cast as the update casts it (bit for bit the copy the store holds), instead of
+        reading the copy too: when that read would cost a transfer (NVMe, or host memory on an accelerator)."""
+        e = self.e
+        if not e.stores.master or e.spools_gradients or e.on_host or group in e.parts or (position, i) in e.reuse:
+            return False
+        return self._store("params", group).memory_kind != "device"
+
+    def _scan_step(self, stage, state, i: int, s_groups, read_groups, owned, trees) -> None:
+        n, saved = len(read_groups), self.e.saves_residuals
+        by_group = dict(zip(read_groups, trees[:n], strict=True))
         carry = self.final_carry[stage.position] if saved else [trees[n][f"carry{j}"] for j in range(stage.num_carry)]
+        rest = list(trees[n + (0 if saved else 1):])
+        reads = {}  # each owned group's update reads and spooled gradient, in the order `_scan_backward` listed them
+        for g in owned:
+            n_upd = 0 if g.name in self.e.parts else len(self._update_reads(g.name, i))
+            upd, rest = rest[:n_upd], rest[n_upd:]
+            spooled = None
+            if g.name in self.e._tied:
+                spooled, rest = rest[0], rest[1:]
+            reads[g.name] = (upd, spooled)
+            if g.name not in by_group:  # `_casts_compute_copy`: the master is the last update read
+                by_group[g.name] = self.e._dispatch(f"cast_{dir_name(g.name)}", i, self.e.units.compute_copy(g.name),
+                                                    upd[-1])
+        slices = self._values(stage.streams, s_groups, [by_group[g] for g in s_groups])
         if any(c is None and differentiable(jax.typeof(carry[j])) for j, c in enumerate(state["d_carry"])):
             state["d_carry"] = [zero_cotangent(carry[j]) if c is None and differentiable(jax.typeof(carry[j])) else c
                                 for j, c in enumerate(state["d_carry"])]
@@ -720,15 +744,11 @@ class _Step:
             state["d_ins"] = [a if b is None else b if a is None else a + b
                               for a, b in zip(state["d_ins"], d_ins, strict=True)]
         state["d_xs"][i] = d_xs
-        by_group = dict(zip(s_groups, trees[:n], strict=True))
-        rest = list(trees[n + (0 if saved else 1):])
-        for g in owned:  # in the order `_scan_backward` listed their reads
+        for g in owned:
             grads = [d_slices[k] for k in g.leaves]
             in_parts = g.name in self.e.parts
-            n_upd = 0 if in_parts else len(self._update_reads(g.name, i))
-            upd, rest = rest[:n_upd], rest[n_upd:]
-            if g.name in self.e._tied:
-                spooled, rest = rest[0], rest[1:]
+            upd, spooled = reads[g.name]
+            if spooled is not None:
                 grads = [a + spooled[self.p.leaves[k].path] for k, a in zip(g.leaves, grads, strict=True)]
             if in_parts:  # the update_part operations that follow take them (and the compute copy, as the master
                 # when there is no other: with one, it goes now)

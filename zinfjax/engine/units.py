@@ -131,6 +131,18 @@ class Units:
         return jax.jit(f, donate_argnums=donate)
 
     @instance_cache
+    def compute_copy(self, group: str):
+        """A jitted ``f(master) -> compute``: a unit's compute copy (a dict by path, store layout) cast from its fp32
+        master and placed as `update` casts and places the copy it writes, so the two are equal bit for bit."""
+        paths, _ = self.paths(group)
+
+        def f(master: dict) -> dict:
+            compute = [master[p].astype(self.compute_dtype) for p in paths]
+            return dict(zip(paths, self._place("params", paths, compute), strict=True))
+
+        return jax.jit(f)
+
+    @instance_cache
     def init(self, group: str, size: int | None, part: tuple[int, ...] | None = None):
         """A jitted ``f(params, start) -> (compute, master, state)``: a unit's initial state from its parameters
         (those of the leaves ``part`` only, when given)."""
