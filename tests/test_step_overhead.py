@@ -8,12 +8,20 @@ buffers the allocator happened to hand back again match (measured: 6-33 of 142 s
 `test_checkpoint_memory` checks the other side: a layer a save still holds is not taken over, and
 the save writes the state it took.
 
+**No copies.** JAX pairs each output of the update with the first donated argument of its shape and
+dtype, in argument order. A donation that pairs an output with another role's input (the new master
+with Adam's old m) makes XLA copy that input before the update may overwrite it; so does a second
+output of the same values (the compute copy beside the master in fp32). Every update a step runs
+compiles without a copy.
+
 **Dispatch.** JAX dispatches a compiled function from C++ when every output is an array; a float0
 output (the cotangent of an integer input, such as a vocabulary chunk's index) sends each call down
 the slower Python path instead. The stage backwards return None for those
 (`zinfjax.program.stages.without_float0`), so every function a step runs has its C++ entry: one
 per signature, which `_cache_size` counts (0 when the call went the Python way).
 """
+
+import re
 
 import jax
 import pytest
@@ -67,3 +75,37 @@ def test_every_stage_function_a_step_runs_dispatches_from_cpp(recompute):
         engine.close()
     assert len(sizes) == 2 * len(engine.program.stages), sizes  # a forward and a backward per stage
     assert all(n == 1 for n in sizes.values()), sizes
+
+
+def _compiled_copies(fn, args) -> int:
+    """``copy`` instructions in ``fn`` compiled for ``args``' shapes, dtypes and shardings (donated arrays are
+    deleted by then; their avals remain)."""
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                        if isinstance(x, jax.Array) else x, args)
+    return len(re.findall(r"= \S+ copy\(", fn.lower(*like).compile().as_text()))
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_every_update_a_step_runs_compiles_without_a_copy(tmp_path, tier, precision):
+    c = config(mesh="data:1", precision=precision, params=tier, optimizer=tier, activations=tier,
+               nvme_path=str(tmp_path / "nvme"))
+    engine = make_engine(c)
+    data = batches(c)
+    updates = []
+    dispatch = engine._dispatch
+
+    def recorded(name, layer, fn, *args):
+        if name.startswith("update_"):
+            updates.append((name, fn, args))
+        return dispatch(name, layer, fn, *args)
+
+    try:
+        engine.train_step(next(data))
+        engine._dispatch = recorded
+        engine.train_step(next(data))
+        copies = {name: _compiled_copies(fn, args) for name, fn, args in updates}
+    finally:
+        engine.close()
+    assert len(copies) >= 3, copies  # the layers, the vocabulary chunks and the whole groups
+    assert not any(copies.values()), copies

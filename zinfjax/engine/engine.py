@@ -809,21 +809,32 @@ class _Step:
         opt = upd[0] if has_state else {}
         master = upd[1 if has_state else 0] if e.stores.master else params_tree
         self._apply(group, i, [master[p] for p in paths], grads, [opt[p] for p in state_paths], sweep=0, totals=[],
-                    grad_div=np.float32(1), donate=self._donated(group, i, has_state), part=part)
+                    grad_div=np.float32(1), donate=self._donated(group, i, has_state, grads), part=part)
 
-    def _donated(self, group: str, i: int, has_state: bool) -> tuple[int, ...]:
+    def _donated(self, group: str, i: int, has_state: bool, grads: list) -> tuple[int, ...]:
         """The fused update's arguments (master 0, gradients 1, state 2) whose buffers its outputs may take over
-        (docs/design.md, invariant 2): its own gradient; optimizer state read from NVMe, a fresh buffer; and
-        master and state that an in-memory tier hands over (`LayerStore.hands_over`), as the outputs replace
-        them there at once. The update on the host takes gradients and in-memory state from the device: no
-        buffers its host outputs can reuse."""
+        (docs/design.md, invariant 2): its own gradient, master and state read fresh from NVMe, and master and
+        state that an in-memory tier hands over (`LayerStore.hands_over`), as the outputs replace them there at
+        once.
+
+        JAX gives each output the first donated argument of its shape and dtype, in argument order, and the
+        outputs are (compute copy, master, state). So only sets in which every output then takes its own
+        input's buffer are donated: an output written into a buffer that another output still reads makes
+        XLA copy that input first (32 copies of Adam's m and v per GPT-2 layer, before).
+        """
+        e = self.e
         opt = self._store("opt", group) if has_state else None
-        on_nvme = opt is not None and opt.tier == "nvme"
-        if self.e.on_host:
-            return (2,) if on_nvme else ()
-        source = self._store("master" if self.e.stores.master else "params", group)
-        state = on_nvme or (opt is not None and opt.hands_over(i))
-        return tuple(k for k, yes in ((0, source.hands_over(i)), (1, True), (2, state)) if yes)
+        state = opt is not None and (opt.tier == "nvme" or opt.hands_over(i))
+        if e.on_host:  # gradients and in-memory state come from the device: no buffers its host outputs can reuse
+            return (2,) if state and opt.tier == "nvme" else ()
+        source = self._store("master" if e.stores.master else "params", group)
+        master = source.tier == "nvme" or source.hands_over(i)
+        if not e.stores.master:  # fp32: the compute copy is the master, and the first output
+            return ((0,) if master else (1,)) + ((2,) if state else ())
+        # Mixed precision: a gradient in the compute dtype becomes the compute copy; one in fp32 (a tied
+        # parameter's, with a later stage's share added) would take the master's place.
+        own = (1,) if all(g.dtype != jnp.float32 for g in grads) else ()
+        return ((0,) if master else ()) + own + ((2,) if state and master else ())
 
     def _apply(self, group: str, i: int, master: list, grads: list, state: list, sweep: int, totals: list,
                grad_div, donate: tuple[int, ...] = (), part: Part | None = None) -> None:

@@ -100,9 +100,9 @@ class Units:
         """A jitted ``f(master, grads, state, globals, totals, start, grad_div) -> (partials, compute, master, state)``.
 
         Inputs and outputs are lists in store layout (group leaf order; the group's state leaves),
-        of the leaves ``part`` only when given. ``grad_div`` divides the gradients first (the fp16
-        loss scale, else 1). ``donate``: the arguments whose buffers the outputs may take over (the
-        caller holds no other reference).
+        of the leaves ``part`` only when given; in fp32 ``master`` is empty (``compute`` is the master).
+        ``grad_div`` divides the gradients first (the fp16 loss scale, else 1). ``donate``: the arguments whose
+        buffers the outputs may take over (the caller holds no other reference).
         """
         unit = self.plan.unit(group, sweep, size, part)
         paths, state_paths = self.paths(group, part)
@@ -114,6 +114,8 @@ class Units:
             partials, new_master, new_state = unit(master, grads, state, globals_, totals, start)
             new_master = [self.from_unit(group, x) for x in new_master]
             compute = [x.astype(self.compute_dtype) for x in new_master]
+            if jnp.dtype(self.compute_dtype) == jnp.float32:  # the compute copy is the master: one output (a
+                new_master = []  # second of the same values would be a copy of every parameter)
             new_state = [self.from_unit(group, x) for x in new_state]
             return partials, compute, new_master, new_state
 
