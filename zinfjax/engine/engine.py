@@ -718,9 +718,9 @@ class _Step:
                 by_group[g.name] = self.e._dispatch(f"cast_{dir_name(g.name)}", i, self.e.units.compute_copy(g.name),
                                                     upd[-1])
         slices = self._values(stage.streams, s_groups, [by_group[g] for g in s_groups])
-        if any(c is None and differentiable(jax.typeof(carry[j])) for j, c in enumerate(state["d_carry"])):
-            state["d_carry"] = [zero_cotangent(carry[j]) if c is None and differentiable(jax.typeof(carry[j])) else c
-                                for j, c in enumerate(state["d_carry"])]
+        # A carry with no cotangent yet gets zeros, so every iteration's backward has one signature (integers: None).
+        state["d_carry"] = [zero_cotangent(x) if c is None and differentiable(jax.typeof(x)) else c
+                            for x, c in zip(carry, state["d_carry"], strict=True)]
         outvars = stage.eqn.outvars[stage.num_carry:]
         d_ys = [self.cts[v][:, i] if v in self.cts else
                 zero_cotangent(jax.ShapeDtypeStruct((self.e.micro, *v.aval.shape[1:]), v.aval.dtype))
@@ -813,9 +813,9 @@ class _Step:
 
     def _donated(self, group: str, i: int, has_state: bool, grads: list) -> tuple[int, ...]:
         """The fused update's arguments (master 0, gradients 1, state 2) whose buffers its outputs may take over
-        (docs/design.md, invariant 2): its own gradient, master and state read fresh from NVMe, and master and
-        state that an in-memory tier hands over (`LayerStore.hands_over`), as the outputs replace them there at
-        once.
+        (docs/design.md, invariant 2): its own gradient, and the master and state its stores hand over
+        (`LayerStore.hands_over`: fresh buffers read from NVMe, or an in-memory tier's own arrays, which the
+        outputs replace there at once).
 
         JAX gives each output the first donated argument of its shape and dtype, in argument order, and the
         outputs are (compute copy, master, state). So only sets in which every output then takes its own
@@ -824,11 +824,10 @@ class _Step:
         """
         e = self.e
         opt = self._store("opt", group) if has_state else None
-        state = opt is not None and (opt.tier == "nvme" or opt.hands_over(i))
         if e.on_host:  # gradients and in-memory state come from the device: no buffers its host outputs can reuse
-            return (2,) if state and opt.tier == "nvme" else ()
-        source = self._store("master" if e.stores.master else "params", group)
-        master = source.tier == "nvme" or source.hands_over(i)
+            return (2,) if opt is not None and opt.tier == "nvme" else ()
+        state = opt is not None and opt.hands_over(i)
+        master = self._store("master" if e.stores.master else "params", group).hands_over(i)
         if not e.stores.master:  # fp32: the compute copy is the master, and the first output
             return ((0,) if master else (1,)) + ((2,) if state else ())
         # Mixed precision: a gradient in the compute dtype becomes the compute copy; one in fp32 (a tied

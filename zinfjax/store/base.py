@@ -107,8 +107,8 @@ class LayerStore:
 
     def hands_over(self, i: int) -> bool:
         """Whether a computation may take over the buffers a read of layer ``i`` returns, its outputs being
-        written back to this store right after: true only for a tier that holds its layers in memory and
-        whose layer ``i`` no checkpoint snapshot holds (`zinfjax.store.memory.MemoryStore`).
+        written back to this store right after: true for the nvme tier, whose reads are fresh buffers, and
+        for a tier in memory whose layer ``i`` no checkpoint snapshot holds (`zinfjax.store.memory.MemoryStore`).
 
         Example:
             >>> store.hands_over(3)  # doctest: +SKIP

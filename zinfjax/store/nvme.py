@@ -195,6 +195,11 @@ class NvmeStore(LayerStore):
     def _start_write(self, i: int, leaves: list, after: list[Future], ks: list[int]) -> Future:
         return self._writers.submit(self._write_layer, i, leaves, after, ks)
 
+    def hands_over(self, i: int) -> bool:
+        """Every read is a fresh buffer of its own (never the pool's, never the file's): a computation may take it
+        over."""
+        return True
+
     def _start_read(self, i: int, after: list[Future], ks: list[int], memory_kind: str) -> Future:
         return self._readers.submit(self._read_layer, i, after, ks, memory_kind)
 
