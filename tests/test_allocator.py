@@ -46,3 +46,36 @@ def test_zinfjax_train_runs_on_huge_pages_where_the_machine_has_them_and_not_whe
     available = huge_pages_env({}, platform.libc_ver()[0], thp_mode()) is not None
     assert _train_log(tmp_path)["malloc_huge_pages"] is available
     assert _train_log(tmp_path, ZINFJAX_HUGE_PAGES="0")["malloc_huge_pages"] is False
+
+
+_KEEPS = """
+import ctypes, sys
+from zinfjax.allocator import GLIBC_TRIM_THRESHOLD, KEEP_FREE, tune_allocator
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+assert tune_allocator(trim_threshold=KEEP_FREE if sys.argv[1] == "keep" else GLIBC_TRIM_THRESHOLD)
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+blocks = [libc.malloc(16 << 20) for _ in range(8)]  # layer-sized, under the 32 MiB mmap threshold: the heap
+for b in blocks:
+    ctypes.memset(b, 1, 16 << 20)
+full = rss()
+for b in reversed(blocks):
+    libc.free(b)
+print(full - rss())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the trim threshold is glibc's")
+def test_the_heap_keeps_freed_layers_for_the_next_unless_memory_is_capped():
+    """128 MiB of layers freed at the heap's top: kept (KEEP_FREE), or given back as a capped run wants."""
+    def released(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _KEEPS, mode], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return int(out.stdout)
+
+    assert released("keep") < 16 << 20
+    assert released("capped") > 120 << 20

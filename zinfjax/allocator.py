@@ -19,7 +19,9 @@ when a process starts, so ``zinfjax train``, ``plan`` and ``generate`` start the
 your own sets it in its environment.
 
 `tune_allocator` sets one arena and a fixed mmap threshold above the layer buffers, so freed
-buffers are reused at once and the peak RSS stays what the engine holds. It suits a process
+buffers are reused at once and the peak RSS stays what the engine holds, and lets the heap keep
+`KEEP_FREE` of free memory at its top, so the buffers of the next layer (and the next step) reuse
+pages already faulted in. It suits a process
 whose state streams from NVMe, where few layers are alive at a time: ``zinfjax train`` calls it
 when a tier is ``nvme``, and so does the NVMe run of ``zinfjax bench step``. With the whole state
 in memory the single heap fragments instead (peak RSS 1.7x higher in the device run of
@@ -39,13 +41,23 @@ import os
 import platform
 import sys
 
-M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+M_TRIM_THRESHOLD = -1  # glibc's malloc.h
+M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 DEFAULT_MMAP_THRESHOLD = 32 << 20  # the largest glibc allows on 64-bit is 32 MiB
+# The free memory at the heap's top that glibc keeps for the next buffers instead of returning it. Fixing
+# the mmap threshold leaves glibc's own trim threshold at 128 KiB, so every layer freed at the top went
+# back to the system and the next was faulted in afresh (huge pages zeroed: 15% of the CPU time of
+# gpt2-small's NVMe step). Keeping 256 MiB made that step 6-10% faster for 0.03-0.06 GB more peak
+# (docs/BENCHMARKS.md, "The heap keeps its pages between layers").
+KEEP_FREE = 256 << 20
+GLIBC_TRIM_THRESHOLD = 128 << 10  # glibc's default: what a capped run (zinfjax.engine.budget) goes back to
 
 
-def tune_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, arenas: int = 1) -> bool:
-    """Sets glibc's arena count and a fixed mmap threshold; returns whether glibc took them.
+def tune_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, arenas: int = 1,
+                   trim_threshold: int = KEEP_FREE) -> bool:
+    """Sets glibc's arena count, a fixed mmap threshold and the free memory the heap keeps (``trim_threshold``);
+    returns whether glibc took them.
 
     Example:
         >>> tune_allocator(mmap_threshold=1 << 20)   # every block over 1 MiB from its own mmap
@@ -56,7 +68,8 @@ def tune_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, arenas: int = 1
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_ARENA_MAX, arenas)) and bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold))
+    return (bool(mallopt(M_ARENA_MAX, arenas)) and bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold))
+            and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold)))
 
 
 def trim() -> bool:
@@ -77,9 +90,10 @@ def trim() -> bool:
         return False
 
 
-def describe(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, arenas: int = 1) -> str:
+def describe(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, arenas: int = 1, trim_threshold: int = KEEP_FREE) -> str:
     """The settings as the benchmarks report them."""
-    return f"glibc malloc: {arenas} arena(s), M_MMAP_THRESHOLD fixed at {mmap_threshold >> 20} MiB"
+    return (f"glibc malloc: {arenas} arena(s), M_MMAP_THRESHOLD fixed at {mmap_threshold >> 20} MiB, "
+            f"M_TRIM_THRESHOLD {trim_threshold >> 20} MiB")
 
 
 HUGE_PAGES = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: madvise(MADV_HUGEPAGE) on the memory malloc maps

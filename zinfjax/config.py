@@ -55,7 +55,7 @@ class Config:
     sub_group_size: int | None = None  # parameters per update part; None: parts only when memory needs them
     update_on: str = "auto"  # where the optimizer update runs: device, host, or auto (engine.update_location)
     recompute: str = "auto"  # rerun each layer's forward in its backward: always, never or auto (docs/engine.md)
-    max_reuse_distance: int | None = None  # keep parameters for the backward within this distance (engine/reuse.py)
+    max_reuse_distance: int | None = None  # keep parameters for the backward; unset: what fits (engine/reuse.py)
     # numerics
     precision: str = "fp32"
     grad_clip: float = 0.0
@@ -361,8 +361,9 @@ KEY_DOCS = {
                  "every layer's backward residuals in device memory); or auto (never when the residuals fit the "
                  "memory budget with room to spare, else always)",
     "max_reuse_distance": "keep a layer's parameters from its forward for its backward when fewer than this many "
-                          "parameters are read in between, as DeepSpeed's stage3_max_reuse_distance; default: "
-                          "none kept",
+                          "parameters are read in between, as DeepSpeed's stage3_max_reuse_distance; 0: none kept; "
+                          "default: those that fit beside the operations in between in what the largest "
+                          "operation holds anyway (gpt2-small: the tied head's chunks)",
     "precision": "fp32, bf16 or fp16 compute (master weights stay fp32)",
     "grad_clip": "global-norm gradient clipping threshold; 0 is off",
     "grad_accum": "micro-batches per optimizer step",

@@ -48,7 +48,7 @@ from zinfjax.engine.budget import (
 from zinfjax.engine.parts import Part, update_parts
 from zinfjax.engine.placement import Placement
 from zinfjax.engine.readahead import Read, ReadAhead
-from zinfjax.engine.store_plan import acts_spec, budget_needs, build_stores, dir_name, plan_stores
+from zinfjax.engine.store_plan import acts_spec, budget_needs, build_stores, dir_name, plan_stores, slice_bytes
 from zinfjax.engine.telemetry import StepTelemetry
 from zinfjax.engine.units import Units
 from zinfjax.errors import UserError
@@ -163,11 +163,14 @@ class Engine:
         self.residual_bytes = self._residual_bytes()
         self.parts, self.budget, needs, self.saves_residuals = self._plan_memory(specs, list(acts.values()))
         self.reuse, self.budget = self._plan_reuse(specs, needs)
+        self.carry = self._plan_carry(specs)
+        self.carried = reuse.Held()  # the compute copies the last step's updates handed to the next forward
         read = needs[0]
         # While the state is written at the start, no step holds its operations' memory: writes may use it.
         self._write_bound = self.budget.write_bytes_in_flight + LIVE_BASE * read
-        if config.uses_nvme and memory_capped(config, self.budget):  # freed layer buffers leave the heap at once
-            allocator.tune_allocator(mmap_threshold=NVME_MMAP_THRESHOLD)  # (docs/design.md, invariant 2)
+        self.capped = config.uses_nvme and memory_capped(config, self.budget)
+        if self.capped:  # freed layer buffers leave the heap at once (docs/design.md, invariant 2)
+            allocator.tune_allocator(mmap_threshold=NVME_MMAP_THRESHOLD, trim_threshold=allocator.GLIBC_TRIM_THRESHOLD)
         self.config = config = config.replace(prefetch_depth=self.budget.prefetch_depth,
                                               host_buffer_bytes=self.budget.host_buffer_bytes)
         self.step_count = int(getattr(source, "step", 0))
@@ -244,10 +247,20 @@ class Engine:
         return plan_budget(self.config, read, write, resident), False
 
     def _plan_reuse(self, specs, needs: tuple) -> tuple[frozenset, BudgetPlan]:
-        """The scan iterations whose parameters the backward takes from the forward (``max_reuse_distance``,
-        `zinfjax.engine.reuse`), and the budget's plan holding them too; refused in one line if it cannot."""
+        """The scan iterations whose parameters the backward takes from the forward (`zinfjax.engine.reuse`),
+        and the budget's plan holding them too.
+
+        Unset, ``max_reuse_distance`` keeps those that fit beside the operations between their two uses in
+        what the largest operation holds anyway (`reuse.within`), so the budget is unchanged. Set, it keeps
+        those within that distance, as held state; refused in one line if the budget cannot hold them.
+        """
         limit, base = self.config.max_reuse_distance, self.budget
-        kept = reuse.choose(reuse.candidates(self.program, specs), limit)
+        found = reuse.candidates(self.program, specs)
+        if limit is None:
+            sizes = {(s.kind, s.group): slice_bytes(s) for s in specs}
+            kept = reuse.within(found, reuse.timeline(self.program, sizes), LIVE_BASE, self._reuse_saves_a_read(specs))
+            return frozenset(c.key for c in kept), base
+        kept = reuse.choose(found, limit)
         if not kept or self.mesh.devices.flat[0].platform != "cpu":  # on an accelerator they are in device memory
             return frozenset(c.key for c in kept), base
         read, write, resident = needs
@@ -260,6 +273,48 @@ class Engine:
                 f"max_reuse_distance={limit} keeps {len(kept)} layers' parameters ({format_bytes(nbytes)}), more "
                 f"than the memory budget of {format_bytes(base.limit)} ({base.source}) holds; lower it") from None
         return frozenset(c.key for c in kept), plan
+
+    def _plan_carry(self, specs) -> frozenset:
+        """The ``(group, unit)`` whose update hands its new compute copy to the next step's forward
+        (`reuse.carried`), when ``max_reuse_distance`` is unset: those whose forward read costs a transfer,
+        updated whole in the backward (not in sweeps, not in parts) on the device."""
+        if self.config.max_reuse_distance is not None or self.spools_gradients or self.on_host:
+            return frozenset()
+        costly = self._reads_cost(specs)
+        stages = {stage.position: stage for stage in self.program.stages}
+
+        def groups(key) -> set:
+            return {self.program.leaves[k].group for k in stages[key[0]].streams}
+
+        sizes = {(s.kind, s.group): slice_bytes(s) for s in specs}
+        kept = reuse.carried(self.program, sizes, LIVE_BASE,
+                             lambda key: all(g in costly and g not in self.parts for g in groups(key)))
+        return frozenset((g, c.key[1]) for c in kept for g in groups(c.key))
+
+    def _reads_cost(self, specs) -> set:
+        """The groups whose compute copy costs a transfer to read: on NVMe, or in host memory beside an
+        accelerator (on the CPU backend a host-tier read copies nothing)."""
+        cpu = self.mesh.devices.flat[0].platform == "cpu"
+        return {s.group for s in specs if s.kind == "params" and (s.tier == "nvme" or (s.tier == "host" and not cpu))}
+
+    def _reuse_saves_a_read(self, specs):
+        """Whether keeping a scan iteration's parameters saves its backward a transfer: every group it streams
+        costs one to read (`_reads_cost`), and its backward would not cast the compute copy from the master
+        its update reads anyway (`_Step._casts_compute_copy`)."""
+        costly = self._reads_cost(specs)
+        mixed = {s.group for s in specs if s.kind == "master"}
+        casts = not (self.spools_gradients or self.on_host)
+        stages = {stage.position: stage for stage in self.program.stages}
+
+        def saves(key) -> bool:
+            stage = stages[key[0]]
+            for group in {self.program.leaves[k].group for k in stage.streams}:
+                owned = self.program.groups[group].position == stage.position
+                if group not in costly or (owned and casts and group in mixed and group not in self.parts):
+                    return False
+            return True
+
+        return saves
 
     def _check_micro_batch(self) -> None:
         data = self.mesh.shape["data"]
@@ -313,18 +368,22 @@ class Engine:
     def train_step(self, batch, rng=None) -> dict:
         """One optimizer step on ``batch`` (a pytree of arrays with a leading batch axis); returns its metrics."""
         crash_marker.begin(self.config, self.step_count + 1)
-        if self.config.uses_nvme:  # the last step's freed buffers leave the heap before this one's peak
+        if self.capped:  # the last step's freed buffers leave the heap before this one's peak
             allocator.trim()
         telemetry = self._telemetry = StepTelemetry(self.stores.all(), self.tracer)
-        step = _Step(self, self._micro_batches(batch), self._keys(rng))
-        reads = ReadAhead([op.reads for op in step.ops], self.config.prefetch_depth)
-        for op, results in zip(step.ops, reads, strict=True):
-            op.run(results)
-        telemetry.add_reads(reads)
-        skipped = step.finish_update(telemetry)
-        self._computing.clear()
-        loss = float(jnp.mean(step.loss))
-        self.stores.flush()
+        try:
+            step = _Step(self, self._micro_batches(batch), self._keys(rng))
+            reads = ReadAhead([op.reads for op in step.ops], self.config.prefetch_depth)
+            for op, results in zip(step.ops, reads, strict=True):
+                op.run(results)
+            telemetry.add_reads(reads)
+            skipped = step.finish_update(telemetry)
+            self._computing.clear()
+            loss = float(jnp.mean(step.loss))
+            self.stores.flush()
+        except BaseException:
+            self.carried = reuse.Held()  # what a failed step kept may never have landed: the next one reads
+            raise
         self.step_count += 0 if skipped else 1
         crash_marker.end(self.config)
         self._telemetry = None
@@ -435,6 +494,7 @@ class Engine:
         return jax.tree_util.tree_unflatten(self.plan.state_tree, flat)
 
     def close(self) -> None:
+        self.carried = reuse.Held()
         self.stores.close()
 
 
@@ -549,6 +609,10 @@ class _Step:
         acts = self.e.stores.acts[stage.position]
         for i in stage.order():
             s_groups, s_reads = self._param_reads(stage.streams, i)
+            carried = self.e.carried  # the owner's forward is the first use of what the last step updated
+            s_reads = [Read(r.track, carried.slot((g, i), 0), i)
+                       if carried.has((g, i)) and self.p.groups[g].position == stage.position else r
+                       for g, r in zip(s_groups, s_reads, strict=True)]
 
             def run(trees, i=i, s_groups=s_groups):
                 slices = self._values(stage.streams, s_groups, trees)
@@ -850,6 +914,8 @@ class _Step:
             return
         paths, state_paths = e.units.paths(group, leaves)
         keys, host = part and part.params, e.on_host
+        if (group, i) in e.carry:  # the next step's forward reads it first (`Engine._plan_carry`)
+            e.carried.keep((group, i), [dict(zip(paths, compute, strict=True))])
         e._write(track("params", group), self._store("params", group), i, dict(zip(paths, compute, strict=True)),
                  keys, from_host=host)
         if e.stores.master:

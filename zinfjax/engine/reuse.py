@@ -9,10 +9,12 @@ DeepSpeed's ZeRO-3 does the same (``stage3_max_reuse_distance``).
 uses: twice those the forward reads after it) and its bytes; `choose` takes those within
 ``max_reuse_distance``. `Held` hands the kept trees to the backward's reads.
 
-It is off unless asked for. Keeping every layer of gpt2-small saves 28% of its NVMe reads for 0.3 GB
-more peak memory; what that buys depends on what paces the step: 3% (fp32; bf16: none) where the
-step is CPU-bound, 4-9% (fp32) on a machine with twice the compute, where it sits near the disk's
-floor (docs/BENCHMARKS.md, "Reuse").
+Unset, ``max_reuse_distance`` keeps only what costs no memory the step does not take anyway
+(`within`): the nearest iterations whose bytes fit beside every operation between their two uses in
+what the step's largest operation holds. In gpt2-small that is the tied head's vocabulary chunks
+(and in fp32 the last block): 0.18 GB fewer NVMe reads a step in fp32, 0.08 GB in bf16, at the same
+peak. Keeping every layer (``max_reuse_distance=1000000000``) saves 28% of the reads for 0.3 GB more
+peak memory (docs/BENCHMARKS.md, "Reuse").
 
 Example:
     >>> held = Held()
@@ -73,6 +75,108 @@ def candidates(program, specs) -> list[Candidate]:
 def choose(found: list[Candidate], limit: int | None) -> list[Candidate]:
     """The candidates with fewer than ``limit`` parameters of reuse distance (none when unset or 0)."""
     return [c for c in found if limit is not None and c.distance < limit]
+
+
+STATE_KINDS = ("master", "opt", "grads")  # what an update reads beside the parameters
+
+
+def timeline(program, slice_bytes: dict) -> list[tuple[tuple[int, int] | None, int]]:
+    """A step's operations in order, each as ``(scan iteration or None, bytes it reads)``: the forward's,
+    then the backward's, which reads each unit's parameters again and, for the units it completes, their
+    optimizer state. ``slice_bytes`` is ``{(kind, group): bytes of one slice}``."""
+
+    def reads(groups, kinds) -> int:
+        return sum(slice_bytes.get((kind, g), 0) for g in groups for kind in kinds)
+
+    forward, backward = [], []
+    for stage in program.stages:
+        if stage.kind == "scan":
+            groups = sorted({program.leaves[k].group for k in stage.streams})
+            owned = [g for g in groups if program.groups[g].position == stage.position]
+            for i in stage.order():
+                forward.append(((stage.position, i), reads(groups, ["params"])))
+                backward.append(((stage.position, i), reads(groups, ["params"]) + reads(owned, STATE_KINDS)))
+        else:
+            groups = sorted({program.leaves[k].group for k in stage.params})
+            forward.append((None, reads(groups, ["params"])))
+            backward.append((None, reads(groups, ["params", *STATE_KINDS])))
+    return forward + backward[::-1]
+
+
+def within(found: list[Candidate], steps: list, per_read: int, eligible) -> list[Candidate]:
+    """The candidates kept when ``max_reuse_distance`` is unset: nearest first, those whose bytes, with what
+    is kept already, fit beside every operation between their two uses (``steps``: `timeline`) in the
+    memory the largest operation takes, an operation of ``r`` bytes of reads taking ``per_read * r``
+    (`zinfjax.engine.budget.LIVE_BASE`). ``eligible(key)``: whether keeping it saves a read at all.
+
+    The kept bytes never exceed what the step's largest operation holds anyway, whatever the layers
+    and the vocabulary (invariant 2, docs/design.md): in gpt2-small, the tied head's vocabulary chunks,
+    read for the head's forward and again at once for its backward.
+
+    Example:
+        >>> steps = [(None, 0), ((1, 0), 5), ((1, 1), 5), ((1, 1), 5), ((1, 0), 5), (None, 9)]
+        >>> found = [Candidate((1, 1), 0, 4), Candidate((1, 0), 2, 4)]
+        >>> [c.key for c in within(found, steps, per_read=4, eligible=lambda key: True)]
+        [(1, 1), (1, 0)]
+        >>> [c.key for c in within(found, steps[:-1] + [(None, 5)], per_read=4, eligible=lambda key: True)]
+        [(1, 1)]
+    """
+    uses: dict = {}
+    for n, (key, _) in enumerate(steps):
+        if key is not None:
+            uses.setdefault(key, []).append(n)
+    live = per_read * max((r for _, r in steps), default=0)
+    held = [0] * len(steps)
+    kept = []
+    for c in found:
+        if not eligible(c.key):
+            continue
+        first, last = uses[c.key][0], uses[c.key][-1]
+        between = range(first + 1, last)
+        if all(per_read * steps[n][1] + held[n] + c.nbytes <= live for n in between):
+            for n in between:
+                held[n] += c.nbytes
+            kept.append(c)
+    return kept
+
+
+def carried(program, slice_bytes: dict, per_read: int, eligible) -> list[Candidate]:
+    """The scan iterations whose update hands its new compute copy straight to the next step's forward, which
+    then reads nothing: the backward updates the first layers last, and the forward reads them first.
+
+    ``slice_bytes`` as for `timeline`; kept as `within` keeps, across the step's end: each candidate's
+    two uses are its update in one step's backward and its read in the next step's forward. Only scans
+    that update what they stream are candidates (in gpt2-small the embedding's vocabulary chunks, whose
+    forward is their first use, and the blocks).
+
+    Example:
+        >>> forward = [((1, 0), 5), ((3, 0), 20), ((3, 1), 20)]  # an embedding, then two blocks
+        >>> backward = [((3, 1), 40), ((3, 0), 40), ((1, 0), 9)]
+        >>> sizes = {(1, 0): 4, (3, 0): 8, (3, 1): 8}
+        >>> [c.key for c in across(forward + backward, sizes, per_read=4, eligible=lambda key: True)]
+        [(1, 0), (3, 0)]
+    """
+    sizes = {}
+    for stage in program.stages:
+        if stage.kind == "scan":
+            groups = {program.leaves[k].group for k in stage.streams}
+            if groups and all(program.groups[g].position == stage.position for g in groups):
+                for i in stage.order():
+                    sizes[(stage.position, i)] = sum(slice_bytes.get(("params", g), 0) for g in groups)
+    return across(timeline(program, slice_bytes), sizes, per_read, eligible)
+
+
+def across(steps: list, sizes: dict, per_read: int, eligible) -> list[Candidate]:
+    """`within` over a step's backward followed by the next step's forward (``steps``: a `timeline`), for the
+    iterations in ``sizes`` (``{key: bytes}``), nearest first."""
+    half = len(steps) // 2
+    turned = steps[half:] + steps[:half]
+    uses: dict = {}
+    for n, (key, _) in enumerate(turned):
+        if key in sizes:
+            uses.setdefault(key, []).append(n)
+    found = sorted((Candidate(k, n[-1] - n[0], sizes[k]) for k, n in uses.items()), key=lambda c: c.distance)
+    return within(found, turned, per_read, eligible)
 
 
 class Held:
