@@ -1,11 +1,13 @@
 """Parameters kept from the forward for the backward (``max_reuse_distance``): exact, fewer reads, budgeted;
 unset, only what fits beside the operations in between."""
 
+import jax
+import numpy as np
 import pytest
 
-from tests.engine_helpers import assert_bitwise, config, engine_run, make_engine
+from tests.engine_helpers import assert_bitwise, batches, config, engine_run, make_engine
 from zinfjax import Config
-from zinfjax.engine import reuse
+from zinfjax.engine import BatchError, reuse
 from zinfjax.engine.budget import LIVE_BASE, MemoryBudgetError, minimum_bytes
 from zinfjax.engine.engine import store_specs
 from zinfjax.engine.store_plan import budget_needs, slice_bytes
@@ -129,3 +131,26 @@ def test_unset_keeps_nothing_whose_backward_reads_nothing_again(tmp_path, kw):
     assert not owned
     head = [s for s in program.stages if s.kind == "scan"][-1]
     assert kept == (frozenset() if kw["params"] == "host" else {(head.position, i) for i in head.order()})
+
+
+def test_a_failed_step_drops_what_it_carried_and_the_next_reads_it_bitwise(tmp_path):
+    c = config(stage=3, params="nvme", optimizer="nvme", nvme_path=str(tmp_path / "nvme"))
+    off_losses, off_params, _ = engine_run(c.replace(max_reuse_distance=0), steps=4)
+    engine = make_engine(c)
+    try:
+        data, losses, reads = batches(c), [], []
+        for n in range(4):
+            if n == 2:
+                bad = next(batches(c))[:, :-1]  # a token short
+                with pytest.raises(BatchError, match="this state was wrapped for"):
+                    engine.train_step(bad)
+                assert not any(engine.carried.has(key) for key in engine.carry)
+            m = engine.train_step(next(data))
+            losses.append(m["loss"])
+            reads.append(m["read_bytes_nvme"])
+        params = jax.tree.map(np.asarray, engine.params())
+    finally:
+        engine.close()
+    assert losses == off_losses
+    assert_bitwise(off_params, params)
+    assert engine.carry and reads[2] > reads[1] == reads[3]  # after the failure, the carried layers read again
