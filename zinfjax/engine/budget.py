@@ -15,9 +15,12 @@ XLA's compiler, and splits the rest:
 
 With state on NVMe and memory capped (`memory_capped`: ``memory_limit`` or ``host_buffer_bytes`` set,
 or a memory cgroup below what is available) the engine also lowers glibc's mmap threshold
-(`NVME_MMAP_THRESHOLD`), so freed layer buffers leave the heap at once. Uncapped, it keeps 32 MiB:
-every large buffer mapped afresh costs page faults (gpt2-small on NVMe: 5.3-5.6 s steps at 4 MiB,
-4.5-4.9 s at 32 MiB, peak 1.43 against 1.57 GB; docs/BENCHMARKS.md, "Profile").
+(`NVME_MMAP_THRESHOLD`), so freed layer buffers leave the heap at once, and trims the heap at each
+step's start. Uncapped, it keeps 32 MiB and lets the heap keep 256 MiB of freed pages
+(`zinfjax.allocator.KEEP_FREE`): every large buffer mapped or faulted afresh costs CPU (gpt2-small on
+NVMe: 5.3-5.6 s steps at 4 MiB, 4.5-4.9 s at 32 MiB, peak 1.43 against 1.57 GB; docs/BENCHMARKS.md,
+"Profile"; and 6-10% of the step from keeping the pages, "Fewer reads, and the heap keeps its pages
+between layers").
 
 A key set explicitly is kept. A budget too small for even one slice in flight is refused before
 anything is written, naming the smallest budget that would work (docs/engine.md, "Memory").
