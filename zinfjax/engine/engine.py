@@ -610,7 +610,7 @@ class _Step:
         for i in stage.order():
             s_groups, s_reads = self._param_reads(stage.streams, i)
             carried = self.e.carried  # the owner's forward is the first use of what the last step updated
-            s_reads = [Read(r.track, carried.slot((g, i), 0, r.store.part_nbytes(r.keys)), i)
+            s_reads = [Read(r.track, carried.slot((g, i), 0), i)
                        if carried.has((g, i)) and self.p.groups[g].position == stage.position else r
                        for g, r in zip(s_groups, s_reads, strict=True)]
 
@@ -715,8 +715,8 @@ class _Step:
             s_groups, s_reads = self._param_reads(stage.streams, i)
             if (stage.position, i) in self.e.reuse:
                 key = (stage.position, i)
-                s_reads = [Read(r.track, self.held.slot(key, k, r.store.part_nbytes(r.keys)), i,
-                                ready=lambda key=key: self.held.has(key)) for k, r in enumerate(s_reads)]
+                s_reads = [Read(r.track, self.held.slot(key, k), i, ready=lambda key=key: self.held.has(key))
+                           for k, r in enumerate(s_reads)]
             cast = {g.name for g in owned if self._casts_compute_copy(g.name, stage.position, i)}
             read = [(g, r) for g, r in zip(s_groups, s_reads, strict=True) if g not in cast]
             act = [] if self.e.saves_residuals else [

@@ -191,9 +191,9 @@ class Held:
     def has(self, key: tuple) -> bool:
         return key in self._trees
 
-    def slot(self, key: tuple, k: int, nbytes: int = 0) -> _Slot:
+    def slot(self, key: tuple, k: int) -> _Slot:
         """A store-like source of the ``k``-th tree kept under ``key``, for a `Read`."""
-        return _Slot(self, key, k, nbytes)
+        return _Slot(self, key, k)
 
     def take(self, key: tuple, k: int):
         trees = self._trees[key]
@@ -208,13 +208,12 @@ class _Slot:
 
     tier = None
 
-    def __init__(self, held: Held, key: tuple, k: int, nbytes: int = 0):
-        self.held, self.key, self.k, self.nbytes = held, key, k, nbytes
+    def __init__(self, held: Held, key: tuple, k: int):
+        self.held, self.key, self.k = held, key, k
 
     def part_nbytes(self, keys=None) -> int:
-        """What the read-ahead counts for it: the bytes of the read it replaces (``nbytes``), so that its window
-        holds what it would hold without keeping, and keeping adds only the time between the two uses."""
-        return self.nbytes
+        """Bytes a read adds to memory: none, the tree is held already."""
+        return 0
 
     def read(self, layer: int, keys=None, memory_kind: str = "device") -> Future:
         future: Future = Future()
