@@ -49,7 +49,7 @@ DEFAULT_MMAP_THRESHOLD = 32 << 20  # the largest glibc allows on 64-bit is 32 Mi
 # the mmap threshold leaves glibc's own trim threshold at 128 KiB, so every layer freed at the top went
 # back to the system and the next was faulted in afresh (huge pages zeroed: 15% of the CPU time of
 # gpt2-small's NVMe step). Keeping 256 MiB made that step 6-10% faster for 0.03-0.06 GB more peak
-# (docs/BENCHMARKS.md, "The heap keeps its pages between layers").
+# (docs/BENCHMARKS.md, "Fewer reads, and the heap keeps its pages between layers").
 KEEP_FREE = 256 << 20
 GLIBC_TRIM_THRESHOLD = 128 << 10  # glibc's default: what a capped run (zinfjax.engine.budget) goes back to
 

@@ -257,8 +257,8 @@ class Engine:
         limit, base = self.config.max_reuse_distance, self.budget
         found = reuse.candidates(self.program, specs)
         if limit is None:
-            sizes = {(s.kind, s.group): slice_bytes(s) for s in specs}
-            kept = reuse.within(found, reuse.timeline(self.program, sizes), LIVE_BASE, self._reuse_saves_a_read(specs))
+            kept = reuse.within(found, reuse.timeline(self.program, _slice_sizes(specs)), LIVE_BASE,
+                                self._reuse_saves_a_read(specs))
             return frozenset(c.key for c in kept), base
         kept = reuse.choose(found, limit)
         if not kept or self.mesh.devices.flat[0].platform != "cpu":  # on an accelerator they are in device memory
@@ -281,15 +281,14 @@ class Engine:
         if self.config.max_reuse_distance is not None or self.spools_gradients or self.on_host:
             return frozenset()
         costly = self._reads_cost(specs)
-        stages = {stage.position: stage for stage in self.program.stages}
+        kept = reuse.carried(self.program, _slice_sizes(specs), LIVE_BASE,
+                             lambda key: all(g in costly and g not in self.parts for g in self._streamed(key[0])))
+        return frozenset((g, c.key[1]) for c in kept for g in self._streamed(c.key[0]))
 
-        def groups(key) -> set:
-            return {self.program.leaves[k].group for k in stages[key[0]].streams}
-
-        sizes = {(s.kind, s.group): slice_bytes(s) for s in specs}
-        kept = reuse.carried(self.program, sizes, LIVE_BASE,
-                             lambda key: all(g in costly and g not in self.parts for g in groups(key)))
-        return frozenset((g, c.key[1]) for c in kept for g in groups(c.key))
+    def _streamed(self, position: int) -> set[str]:
+        """The groups the scan at ``position`` streams."""
+        stage = next(s for s in self.program.stages if s.position == position)
+        return {self.program.leaves[k].group for k in stage.streams}
 
     def _reads_cost(self, specs) -> set:
         """The groups whose compute copy costs a transfer to read: on NVMe, or in host memory beside an
@@ -304,12 +303,10 @@ class Engine:
         costly = self._reads_cost(specs)
         mixed = {s.group for s in specs if s.kind == "master"}
         casts = not (self.spools_gradients or self.on_host)
-        stages = {stage.position: stage for stage in self.program.stages}
 
         def saves(key) -> bool:
-            stage = stages[key[0]]
-            for group in {self.program.leaves[k].group for k in stage.streams}:
-                owned = self.program.groups[group].position == stage.position
+            for group in self._streamed(key[0]):
+                owned = self.program.groups[group].position == key[0]
                 if group not in costly or (owned and casts and group in mixed and group not in self.parts):
                     return False
             return True
@@ -993,6 +990,11 @@ class _Kept(dict):
         kept = super().pop(key)
         self.held -= _local_bytes(kept)
         return kept
+
+
+def _slice_sizes(specs) -> dict:
+    """``{(kind, group): bytes of one slice}`` of every store (`zinfjax.engine.reuse.timeline`)."""
+    return {(s.kind, s.group): slice_bytes(s) for s in specs}
 
 
 def _local_bytes(arrays: list) -> int:

@@ -13,8 +13,11 @@ Unset, ``max_reuse_distance`` keeps only what costs no memory the step does not 
 (`within`): the nearest iterations whose bytes fit beside every operation between their two uses in
 what the step's largest operation holds. In gpt2-small that is the tied head's vocabulary chunks
 (and in fp32 the last block): 0.18 GB fewer NVMe reads a step in fp32, 0.08 GB in bf16, at the same
-peak. Keeping every layer (``max_reuse_distance=1000000000``) saves 28% of the reads for 0.3 GB more
-peak memory (docs/BENCHMARKS.md, "Reuse").
+peak. `carried` applies the same rule across the step's end: the last layers the backward updates
+are the first the next forward reads (gpt2-small: the embedding's chunks and the first block), so
+their updates hand the new compute copies straight to it. Keeping every layer
+(``max_reuse_distance=1000000000``) saves 28% of the reads for 0.3 GB more peak memory
+(docs/BENCHMARKS.md, "Reuse").
 
 Example:
     >>> held = Held()
