@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODULES = ["zinfjax.byte_sizes", "zinfjax.vocabulary", "zinfjax.mappings", "zinfjax.program.jaxpr",
            "zinfjax.models.configs", "zinfjax.engine.budget", "zinfjax.engine.parts",
            "zinfjax.store.pool", "zinfjax.store.layout", "zinfjax.store.threads", "zinfjax.program.memo",
-           "zinfjax.plan", "zinfjax.models.products"]
+           "zinfjax.plan", "zinfjax.models.products", "tests.support.tolerances"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -6,14 +6,11 @@ finite, and updates the master with optax: what the engine does, one layer at a 
 
 Tolerances, and why. XLA's CPU backend computes bf16 and fp16 arithmetic in fp32 and rounds to the
 compute dtype where a value leaves a fused computation, so where values are rounded depends on how
-XLA fuses each jitted function: the engine's per-layer functions and the whole-model step round in
-different places. bf16 keeps 8 bits of mantissa (a relative spacing of 2^-7), fp16 11. Measured
-over 10 steps of GPT-2 (tiny) at lr 1e-3 with every tier on NVMe, engine against the mixed
-reference: losses within 1.2e-4 (bf16) and 4.4e-5 (fp16) relative, parameters within 1.9e-3 and
-6.4e-4 (whole-tree relative L2, GPT-2's zero-gradient key bias left out). The reference itself is
-2.1e-3 (bf16) and 7.2e-4 (fp16) from the same run in fp32, and the engine 1.4e-3 and 4.6e-4: the
-engine loses no more to the compute dtype than the reference does. The tests allow 5x the measured
-differences, and check the last point with a margin of 25%.
+XLA fuses each jitted function (the engine's per-layer functions and the whole-model step round in
+different places) and on which kernels the CPU has. Ten Adam steps compound those roundings, and no
+a-priori bound follows from bf16's spacing; so the engine is held to the reference instead
+(``tests.support.tolerances``): its master and its losses are no farther from the same run in fp32
+than the mixed reference's are.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ import optax
 import pytest
 
 from tests.engine_helpers import assert_bitwise, batches, config, make_engine, relative_error
+from tests.support.tolerances import assert_no_farther, loss_distance
 from zinfjax import models
 from zinfjax.checkpoint import CheckpointManager, CheckpointSource
 from zinfjax.engine.engine import LossScale
@@ -32,7 +30,6 @@ from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.vocabulary import COMPUTE_DTYPES
 
 STEPS = 10
-TOLERANCE = {"bf16": (6e-4, 1e-2), "fp16": (2.2e-4, 3.2e-3)}  # (losses rtol, params relative L2)
 
 
 def mixed_reference(c, steps=STEPS):
@@ -89,6 +86,7 @@ def _reads_per_step(c, steps: int = 3):
         engine.close()
 
 
+@pytest.mark.low_precision
 @pytest.mark.parametrize("mesh, stage", [("data:1", 0), ("data:2", 3)])
 def test_the_backward_casts_the_compute_copy_from_the_master_the_update_reads(tmp_path, mesh, stage):
     """With the compute copy on NVMe, a layer's backward takes it from the fp32 master its fused update reads,
@@ -109,18 +107,18 @@ def test_the_backward_casts_the_compute_copy_from_the_master_the_update_reads(tm
 
 # The last case splits each block's products over two devices (tensor parallelism) with their own VJP
 # (zinfjax.models.products), against the loop on one device.
+@pytest.mark.low_precision
 @pytest.mark.parametrize("precision, mesh", [("bf16", "data:1"), ("fp16", "data:1"), ("bf16", "data:1,model:2")])
 def test_mixed_precision_engine_equals_the_in_memory_mixed_loop(tmp_path, precision, mesh):
     c = config(precision=precision, mesh=mesh, params="nvme", optimizer="nvme", nvme_path=str(tmp_path))
     ref_losses, ref_master, ref_scale = mixed_reference(c)
     losses, master, scale = engine_losses(c)
-    loss_tol, param_tol = TOLERANCE[precision]
-    np.testing.assert_allclose(losses, ref_losses, rtol=loss_tol)
-    error = relative_error(ref_master, master)
-    assert error < param_tol
+    fp32_losses, fp32_master, _ = mixed_reference(c.replace(precision="fp32"))
     assert scale == ref_scale
-    _, fp32_master, _ = mixed_reference(c.replace(precision="fp32"))
-    assert relative_error(fp32_master, master) < 1.25 * relative_error(fp32_master, ref_master)
+    for name, exact, ref, got, distance in [("master", fp32_master, ref_master, master, relative_error),
+                                            ("losses", fp32_losses, ref_losses, losses, loss_distance)]:
+        ref_error, error = assert_no_farther(exact, ref, got, distance)
+        print(f"{precision} {mesh} {name} from fp32: reference {ref_error:.2e}, engine {error:.2e}")
 
 
 def fp16_engine(tmp_path, **kw):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.engine_helpers import batches, config, engine_run, make_engine, reference_run, relative_error
+from tests.support.tolerances import assert_no_farther, loss_distance
 from zinfjax import Config
 from zinfjax.engine.budget import LIVE_PER_DEPTH, MemoryBudgetError, minimum_bytes
 from zinfjax.engine.engine import store_specs
@@ -61,16 +62,20 @@ def _never_and_always(c: Config, steps: int):
 @pytest.mark.parametrize("keys", [
     dict(params="nvme", optimizer="nvme", activations="nvme", stage=3),
     # a wide corner: bf16 (test_mixed_precision) and micro-batches (test_engine_stages) run the saved path by default
-    pytest.param(dict(precision="bf16", optimizer="host", grad_accum=2, mesh="data:2"), marks=pytest.mark.wide),
+    pytest.param(dict(precision="bf16", optimizer="host", grad_accum=2, mesh="data:2"),
+                 marks=[pytest.mark.wide, pytest.mark.low_precision]),
 ])
 def test_saved_residuals_follow_the_reference_trainer(tmp_path, keys):
     c = config(**keys, nvme_path=str(tmp_path / "nvme"))
     ref_losses, ref_params = reference_run(c, STEPS)
     (losses, params, metrics), (re_losses, re_params, re_metrics) = _never_and_always(c, STEPS)
-    rtol = 1e-6 if c.precision == "fp32" else 2e-2
-    np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
-    assert relative_error(ref_params, params) < (1e-6 if c.precision == "fp32" else 2e-2)
-    assert relative_error(re_params, params) < (1e-6 if c.precision == "fp32" else 2e-2)
+    if c.precision == "fp32":
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+        assert relative_error(ref_params, params) < 1e-6
+        assert relative_error(re_params, params) < 1e-6
+    else:  # the reference is fp32: the saved run loses no more to bf16 than the recomputing run does
+        assert_no_farther(ref_params, re_params, params)
+        assert_no_farther(ref_losses, re_losses, losses, loss_distance)
     assert losses[-1] < losses[0]
     assert all(m["residual_bytes"] > 0 for m in metrics) and all(m["residual_bytes"] == 0 for m in re_metrics)
     if c.activations == "nvme":  # the residuals replace the activation checkpoints
