@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 
+from zinfjax._util.byte_sizes import parse_bytes
 from zinfjax.benchmarks.cgroup import MemoryCgroup
-from zinfjax.byte_sizes import parse_bytes
 
 GB = 1e9
 VOCAB, CONTEXT, HEAD_DIM = 50257, 1024, 64
@@ -51,7 +51,7 @@ def layers_for(nbytes: int, d: int) -> int:
 
 def write_source(directory: str, layers: int, d: int) -> int:
     """The HF directory: config.json and one model.safetensors, written one tensor at a time."""
-    from interop.files import SafetensorsWriter
+    from zinfjax_interop.files import SafetensorsWriter
 
     os.makedirs(directory, exist_ok=True)
     config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": VOCAB, "n_positions": CONTEXT,

@@ -72,7 +72,7 @@ def peak_flops(device, override: float | None) -> float | None:
 def param_count(model: str) -> int:
     import jax
 
-    from zinfjax.inference.params import resolve_model
+    from zinfjax.checkpoint.model import resolve_model
     from zinfjax.models import build
     from zinfjax.models.stacked import lm_init
 

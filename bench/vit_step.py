@@ -101,7 +101,7 @@ def child(args) -> dict:
         metrics = []
     else:
         times, losses, metrics = time_wrapped(args, batch, args.child)
-    from zinfjax.rss import peak_bytes
+    from zinfjax.runtime.rss import peak_bytes
 
     out = {"step_s": statistics.median(times[args.warmup:]), "step_times_s": [round(t, 3) for t in times],
            "losses": [round(x, 4) for x in losses], "peak_rss_GB": peak_bytes() / 1e9}

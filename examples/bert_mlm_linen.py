@@ -21,7 +21,7 @@ import optax
 from flax.training import train_state
 
 import zinfjax
-from zinfjax.data import load_tokens
+from zinfjax import load_tokens
 
 PAD, MASK = 256, 257
 

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 import zinfjax
-from zinfjax.data import Batches, load_tokens
+from zinfjax import Batches, load_tokens
 
 
 def parse_args(argv=None):
@@ -72,8 +72,8 @@ def finetune(ckpt_dir: str, args) -> dict:
 
     from zinfjax import models
     from zinfjax.checkpoint import CheckpointManager, read_meta
-    from zinfjax.inference.params import checkpoint_model
-    from zinfjax.optim import make_optimizer
+    from zinfjax.checkpoint.model import checkpoint_model
+    from zinfjax import make_optimizer
 
     path, model_config = checkpoint_model(ckpt_dir)
     config = zinfjax.Config(batch_size=args.batch_size, seq_len=args.seq_len, lr=read_meta(path)["config"]["lr"],
@@ -107,7 +107,7 @@ def finetune(ckpt_dir: str, args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from interop.convert import convert
+    from zinfjax_interop.convert import convert
 
     shutil.rmtree(args.out, ignore_errors=True)
     os.makedirs(args.out)

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 import zinfjax
-from zinfjax.data import Batches, load_tokens
+from zinfjax import Batches, load_tokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ import optax
 from flax import nnx
 
 import zinfjax
-from zinfjax.data import Batches, load_tokens
+from zinfjax import Batches, load_tokens
 from zinfjax.models import gpt
 
 config = zinfjax.Config(model="gpt2-tiny", batch_size=8, seq_len=64, params="host", optimizer="nvme",

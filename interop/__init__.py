@@ -10,9 +10,9 @@ Example:
     >>> convert("path/to/ds-run", "runs/from-ds")        # a DeepSpeed ZeRO checkpoint, Adam state included
 """
 
-from interop.convert import ZinfjaxCheckpoint, convert, detect_format
-from interop.deepspeed import convert_deepspeed
-from interop.errors import (
+from zinfjax_interop.convert import ZinfjaxCheckpoint, convert, detect_format
+from zinfjax_interop.deepspeed import convert_deepspeed
+from zinfjax_interop.errors import (
     CheckpointFilesError,
     ConversionError,
     MissingTensorError,
@@ -21,9 +21,9 @@ from interop.errors import (
     UnknownArchitectureError,
     UnsupportedConfigError,
 )
-from interop.hf import HFCheckpoint, Tensor, load_hf, save_hf, write_hf
-from interop.hf_config import from_hf_config, to_hf_config
-from interop.mapping import MappingError, load_mapping
+from zinfjax_interop.hf import HFCheckpoint, Tensor, load_hf, save_hf, write_hf
+from zinfjax_interop.hf_config import from_hf_config, to_hf_config
+from zinfjax_interop.mapping import MappingError, load_mapping
 
 __all__ = [
     "CheckpointFilesError", "ConversionError", "HFCheckpoint", "MappingError", "MissingTensorError",

@@ -3,12 +3,12 @@
 Every conversion holds one tensor at a time: the source is checked whole from its headers first
 (architecture, names, shapes), then each tensor is read, laid out and written at once, either as
 its layer's chunk of a zinfjax checkpoint (`CheckpointWriter`) or as the next tensor of a
-safetensors file whose header was written first (`interop.hf.write_hf`).
+safetensors file whose header was written first (`zinfjax_interop.hf.write_hf`).
 
 | source (``--from``, found by itself) | what it is |
 |---|---|
 | ``hf`` | a directory with config.json and model.safetensors / pytorch_model.bin (single or sharded) |
-| ``deepspeed`` | a DeepSpeed save dir (``latest``, ``global_stepN/*_optim_states.pt``), see `interop.deepspeed` |
+| ``deepspeed`` | a DeepSpeed save dir (``latest``, ``global_stepN/*_optim_states.pt``), see `zinfjax_interop.deepspeed` |
 | ``zinfjax`` | a zinfjax checkpoint (``zinfjax.json``), or a save_dir of them (the newest is read) |
 | ``torch`` | a ``torch.save``'d state_dict (.pt/.pth/.bin) or a .safetensors file, with ``model`` and a mapping |
 
@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from interop.errors import (
+from zinfjax_interop.errors import (
     CheckpointFilesError,
     ConversionError,
     MissingTensorError,
@@ -37,23 +37,23 @@ from interop.errors import (
     UnexpectedTensorError,
     UnknownArchitectureError,
 )
-from interop.files import SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX, StateDictFile
-from interop.hf import CONFIG, HFCheckpoint, Tensor, hf_specs, write_hf, zinfjax_shapes
-from interop.hf_config import from_hf_config
-from interop.mapping import load_mapping
-from interop.tables import BY_ARCH
-from zinfjax.byte_sizes import format_bytes, parse_bytes
+from zinfjax_interop.files import SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX, StateDictFile
+from zinfjax_interop.hf import CONFIG, HFCheckpoint, Tensor, hf_specs, write_hf, zinfjax_shapes
+from zinfjax_interop.hf_config import from_hf_config
+from zinfjax_interop.mapping import load_mapping
+from zinfjax_interop.tables import BY_ARCH
+from zinfjax._util.byte_sizes import format_bytes, parse_bytes
+from zinfjax._util.mapping_files import read_mapping
 from zinfjax.checkpoint import CheckpointWriter, expected_leaves, read_meta
 from zinfjax.checkpoint import format as fmt
+from zinfjax.checkpoint.model import checkpoint_model
+from zinfjax.checkpoint.model import resolve_model as zinfjax_model
 from zinfjax.checkpoint.reader import LeafReader
 from zinfjax.config import Config
-from zinfjax.inference.params import checkpoint_model
-from zinfjax.inference.params import resolve_model as zinfjax_model
-from zinfjax.mappings import read_mapping
 from zinfjax.models import ModelConfig
 from zinfjax.models.configs import NAMED
-from zinfjax.optim import make_optimizer
 from zinfjax.store.disk import free_bytes, is_disk_full
+from zinfjax.trainers.optimizers import make_optimizer
 
 FORMATS = ("hf", "deepspeed", "zinfjax", "torch")
 TARGETS = ("zinfjax", "hf")
@@ -77,7 +77,7 @@ def convert(src: str, dst: str, to: str = "zinfjax", *, source_format: str | Non
         model: the model of a torch state_dict (needed) or a DeepSpeed checkpoint (default: the
             config.json beside it): a named size (``gpt2-tiny``), a ModelConfig JSON/YAML file,
             or an HF config.json or its directory.
-        mapping: for a torch state_dict, the name-mapping file (`interop.mapping`); without it the
+        mapping: for a torch state_dict, the name-mapping file (`zinfjax_interop.mapping`); without it the
             names must be Hugging Face's for the model's architecture.
         lr: the learning rate recorded with a fresh adamw state (default 3e-4); for DeepSpeed, an
             override of the optimizer's.
@@ -368,7 +368,7 @@ def _write_hf(source, dst: str, hf: HFTarget, progress: bool) -> dict:
 
 def _from_deepspeed(src: str, dst: str, to: str, model: ModelConfig | None, lr: float | None, hf: HFTarget,
                     progress: bool) -> dict:
-    from interop.deepspeed import convert_deepspeed
+    from zinfjax_interop.deepspeed import convert_deepspeed
 
     kwargs = {"progress": progress, **({"lr": lr} if lr is not None else {})}
     if to == "zinfjax":

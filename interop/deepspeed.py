@@ -2,9 +2,9 @@
 
 This is DeepSpeed's ``zero_to_fp32.py`` plus the optimizer half of its universal checkpoint,
 without torch.distributed and without importing DeepSpeed: the fp32 master weights and Adam's
-``exp_avg`` / ``exp_avg_sq`` are rebuilt from every rank's flat partitions (`interop.ds_partitions`),
-one parameter at a time, renamed and re-laid-out by the Hugging Face tables (`interop.tables`, as
-`interop.hf` does for HF checkpoints), and written leaf by leaf with `CheckpointWriter`:
+``exp_avg`` / ``exp_avg_sq`` are rebuilt from every rank's flat partitions (`zinfjax_interop.ds_partitions`),
+one parameter at a time, renamed and re-laid-out by the Hugging Face tables (`zinfjax_interop.tables`, as
+`zinfjax_interop.hf` does for HF checkpoints), and written leaf by leaf with `CheckpointWriter`:
 
 | DeepSpeed | zinfjax checkpoint |
 |---|---|
@@ -30,25 +30,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from interop.ds_adam import AdamSettings, UnsupportedOptimizerError, adam_settings
-from interop.ds_checkpoint import DeepSpeedCheckpoint, UnsupportedCheckpointError
-from interop.ds_partitions import KINDS, Partitions
-from interop.errors import (
+from zinfjax_interop.ds_adam import AdamSettings, UnsupportedOptimizerError, adam_settings
+from zinfjax_interop.ds_checkpoint import DeepSpeedCheckpoint, UnsupportedCheckpointError
+from zinfjax_interop.ds_partitions import KINDS, Partitions
+from zinfjax_interop.errors import (
     CheckpointFilesError,
     MissingTensorError,
     ShapeMismatchError,
     UnexpectedTensorError,
     UnknownArchitectureError,
 )
-from interop.hf import _Entry, _expected, _hf_shape, _layer_shape, _some, zinfjax_shapes
-from interop.hf_config import from_hf_config
-from interop.tables import BY_ARCH, FUSE_AXIS, ArchTable, hf_shape, to_zinfjax
+from zinfjax_interop.hf import _Entry, _expected, _hf_shape, _layer_shape, _some, zinfjax_shapes
+from zinfjax_interop.hf_config import from_hf_config
+from zinfjax_interop.tables import BY_ARCH, FUSE_AXIS, ArchTable, hf_shape, to_zinfjax
+from zinfjax._util.mapping_files import read_mapping
 from zinfjax.checkpoint import CheckpointWriter, expected_leaves
 from zinfjax.config import Config
-from zinfjax.mappings import read_mapping
 from zinfjax.models import ModelConfig
 from zinfjax.models.configs import NAMED
-from zinfjax.optim import make_optimizer
+from zinfjax.trainers.optimizers import make_optimizer
 
 MOMENTS = {"exp_avg": "mu", "exp_avg_sq": "nu"}
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from interop.errors import ConversionError
+from zinfjax_interop.errors import ConversionError
 
 BETAS = (0.9, 0.999)
 EPS = 1e-8

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from interop.errors import CheckpointFilesError, ConversionError
+from zinfjax_interop.errors import CheckpointFilesError, ConversionError
 
 LATEST = "latest"
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from interop.ds_adam import UnsupportedOptimizerError
-from interop.ds_checkpoint import DeepSpeedCheckpoint
-from interop.errors import CheckpointFilesError, ShapeMismatchError
+from zinfjax_interop.ds_adam import UnsupportedOptimizerError
+from zinfjax_interop.ds_checkpoint import DeepSpeedCheckpoint
+from zinfjax_interop.errors import CheckpointFilesError, ShapeMismatchError
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 

@@ -4,7 +4,7 @@
 then yields its tensors one at a time in zinfjax's layout, so a streaming writer can put
 each one straight into its layer's chunk. `load_hf` assembles them into the stacked params
 pytree; `save_hf` writes params back as a directory that ``transformers`` loads. The
-tensor names live in `interop.tables`, the config keys in `interop.hf_config`.
+tensor names live in `zinfjax_interop.tables`, the config keys in `zinfjax_interop.hf_config`.
 
 Example:
     >>> config, params = load_hf("gpt2-dir")              # params["blocks"] leaves are (L, ...)
@@ -27,14 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from interop.errors import (
+from zinfjax_interop.errors import (
     CheckpointFilesError,
     MissingTensorError,
     ShapeMismatchError,
     UnexpectedTensorError,
     UnknownArchitectureError,
 )
-from interop.files import (
+from zinfjax_interop.files import (
     SAFETENSORS,
     SAFETENSORS_INDEX,
     TORCH_BIN,
@@ -42,10 +42,10 @@ from interop.files import (
     SafetensorsWriter,
     TensorFiles,
 )
-from interop.hf_config import from_hf_config, to_hf_config
-from interop.tables import BY_ARCH, FUSE_AXIS, TABLES, ArchTable, Rule, hf_shape, to_hf, to_zinfjax
+from zinfjax_interop.hf_config import from_hf_config, to_hf_config
+from zinfjax_interop.tables import BY_ARCH, FUSE_AXIS, TABLES, ArchTable, Rule, hf_shape, to_hf, to_zinfjax
 from zinfjax import models
-from zinfjax.mappings import read_mapping
+from zinfjax._util.mapping_files import read_mapping
 from zinfjax.models import ModelConfig
 
 CONFIG = "config.json"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from interop.errors import UnknownArchitectureError, UnsupportedConfigError
-from interop.tables import BY_ARCH, TABLES
+from zinfjax_interop.errors import UnknownArchitectureError, UnsupportedConfigError
+from zinfjax_interop.tables import BY_ARCH, TABLES
 from zinfjax.models import ModelConfig
 
 _NEEDED = object()

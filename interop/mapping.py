@@ -2,7 +2,7 @@
 
 A mapping file (JSON or YAML) maps each torch tensor name (``{i}`` stands for the layer index)
 to a zinfjax leaf path, or to ``null`` for a tensor zinfjax does not keep (a buffer, a tied copy).
-A value may also be a mapping that gives the layout (`interop.tables.Layout`):
+A value may also be a mapping that gives the layout (`zinfjax_interop.tables.Layout`):
 
 ```yaml
 transformer.wte.weight: embed/wte/embedding                          # layout: same
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import os
 
-from interop.errors import ConversionError
-from interop.hf import zinfjax_shapes
-from interop.tables import ArchTable, Layout, Rule
-from zinfjax.mappings import read_mapping
+from zinfjax_interop.errors import ConversionError
+from zinfjax_interop.hf import zinfjax_shapes
+from zinfjax_interop.tables import ArchTable, Layout, Rule
+from zinfjax._util.mapping_files import read_mapping
 from zinfjax.models import ModelConfig
 
 KEYS = ("to", "layout", "in_axes")

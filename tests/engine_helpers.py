@@ -14,11 +14,11 @@ from zinfjax import Config, models
 from zinfjax.data import Batches, load_tokens
 from zinfjax.engine import Engine, TreeSource
 from zinfjax.engine.memory import zero_formula
-from zinfjax.in_memory import init_state, make_step
 from zinfjax.models.stacked import lm_init, lm_loss
-from zinfjax.optim import make_optimizer
 from zinfjax.sharding import make_mesh, replicated
-from zinfjax.train import lm_engine
+from zinfjax.trainers.optimizers import make_optimizer
+from zinfjax.trainers.reference import init_state, make_step
+from zinfjax.trainers.streaming import lm_engine
 
 STEPS = 20
 BASE = dict(model="gpt2-tiny", batch_size=8, seq_len=16, lr=1e-3, mesh="data:4")

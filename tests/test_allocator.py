@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from zinfjax.allocator import HUGE_PAGES, huge_pages_env, thp_mode
+from zinfjax.runtime.allocator import HUGE_PAGES, huge_pages_env, thp_mode
 
 
 def test_the_tunable_is_added_once_beside_the_users_own():
@@ -50,7 +50,7 @@ def test_zinfjax_train_runs_on_huge_pages_where_the_machine_has_them_and_not_whe
 
 _KEEPS = """
 import ctypes, sys
-from zinfjax.allocator import GLIBC_TRIM_THRESHOLD, KEEP_FREE, tune_allocator
+from zinfjax.runtime.allocator import GLIBC_TRIM_THRESHOLD, KEEP_FREE, tune_allocator
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]

@@ -28,8 +28,8 @@ import zinfjax
 from examples import bert_mlm_linen, llama_nnx, vit_linen
 from zinfjax.config import parse_mesh
 from zinfjax.data import Batches, load_tokens
-from zinfjax.in_memory import micro_batches
 from zinfjax.sharding import batch_sharding, make_mesh, replicated
+from zinfjax.trainers.reference import micro_batches
 
 STEPS = 10
 NVME = dict(params="nvme", optimizer="nvme", gradients="nvme", activations="nvme")
@@ -106,7 +106,7 @@ def test_vit_at_stage3_on_8_devices_with_accumulation(tmp_path):
     c = zinfjax.Config(stage=3, mesh="data:8", grad_accum=2, nvme_path=str(tmp_path), **NVME)
     with zinfjax.wrap(state, c, loss_fn=loss_fn) as wrapped:
         losses = [wrapped.train_step(b)[1]["loss"] for b in batches]
-        params = jax.tree.map(np.asarray, wrapped.params)
+        params = jax.tree.map(np.asarray, wrapped.read_params())
         assert wrapped.engine.stores.params["s:blocks"].tier == "nvme"
     assert_exact(losses, ref_losses, params, ref_params, zero_gradient_leaves(loss_fn, state.params, batches[0]))
 
@@ -122,7 +122,7 @@ def test_bert_masked_lm_with_dropout_keys_and_an_attention_mask(tmp_path):
     c = zinfjax.Config(mesh="data:2", seed=7, nvme_path=str(tmp_path), **NVME)
     with zinfjax.wrap(state, c, loss_fn=loss_fn) as wrapped:
         losses = [wrapped.train_step(b)[1]["loss"] for b in batches]
-        params = jax.tree.map(np.asarray, wrapped.params)
+        params = jax.tree.map(np.asarray, wrapped.read_params())
     skip = zero_gradient_leaves(loss_fn, state.params, batches[0], with_rng=True)
     assert_exact(losses, ref_losses, params, ref_params, skip)
     # Dropout is on: the same batch under another key gives another loss.

@@ -19,7 +19,7 @@ import tensorstore as ts
 
 from tests.engine_helpers import _tx, batches, config, initial_params, make_engine
 from tests.mounts import tmpfs
-from zinfjax.byte_sizes import format_bytes
+from zinfjax._util.byte_sizes import format_bytes
 from zinfjax.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,

@@ -18,7 +18,7 @@ from zinfjax import models
 from zinfjax.checkpoint import CheckpointManager
 from zinfjax.models import ModelConfig
 from zinfjax.sharding import make_mesh
-from zinfjax.train import lm_engine
+from zinfjax.trainers.streaming import lm_engine
 
 LAYERS = 8
 SHAPE = (96, 288)  # one layer of blocks/fc/kernel

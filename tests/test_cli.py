@@ -34,13 +34,13 @@ def test_a_user_mistake_found_while_running_prints_one_line_and_exits_2(capsys):
 def test_an_internal_error_prints_a_short_report_and_writes_the_traceback_to_a_file(tmp_path, monkeypatch, capsys):
     import tempfile
 
-    import zinfjax.train
+    import zinfjax.training.loop
     from zinfjax.cli import main
 
     def broken(*args, **kwargs):
         raise RuntimeError("the engine lost a layer\nsecond line")
 
-    monkeypatch.setattr(zinfjax.train, "run", broken)
+    monkeypatch.setattr(zinfjax.training.loop, "run", broken)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert main(["train", "--quiet", "--set", "steps=1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()

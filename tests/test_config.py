@@ -105,7 +105,7 @@ def test_model_is_a_named_size_a_model_file_or_a_checkpoint(tmp_path):
 
     import yaml
 
-    from zinfjax.inference.params import resolve_model
+    from zinfjax.checkpoint.model import resolve_model
     from zinfjax.models import NAMED, ModelConfig
 
     mini = dataclasses.asdict(NAMED["gpt2-mini"].replace(n_layers=3))
@@ -233,7 +233,7 @@ def test_an_unsupported_deepspeed_scheduler_lists_the_supported_ones(tmp_path):
 
 def test_a_deepspeed_config_trains_as_its_zinfjax_equivalent(tmp_path):
     """The same losses from a DeepSpeed config and the zinfjax config it means (batch, accumulation, schedule)."""
-    from zinfjax.train import run
+    from zinfjax.training.loop import run
 
     ds = Config.from_file(ds_file(
         tmp_path, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
@@ -250,7 +250,7 @@ def test_a_deepspeed_config_trains_as_its_zinfjax_equivalent(tmp_path):
 
 
 def test_a_warmup_longer_than_the_run_is_accepted_with_a_warning(capsys):
-    from zinfjax.train import run
+    from zinfjax.training.loop import run
 
     log = run(Config(steps=2, warmup_steps=5, seq_len=16, mesh="data:1"), progress=False)
     assert len(log["steps"]) == 2

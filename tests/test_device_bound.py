@@ -22,7 +22,7 @@ from tests.engine_helpers import batches, config
 from zinfjax import models
 from zinfjax.models import ModelConfig
 from zinfjax.sharding import make_mesh
-from zinfjax.train import lm_engine
+from zinfjax.trainers.streaming import lm_engine
 
 PER_LAYER = 3  # the compute copy read, its gradient, the updated copy being written
 # A backward layer with its update reads the bf16 copy (2 bytes a parameter), the fp32 master (4) and

@@ -11,10 +11,10 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MODULES = ["zinfjax.byte_sizes", "zinfjax.vocabulary", "zinfjax.mappings", "zinfjax.program.jaxpr",
+MODULES = ["zinfjax._util.byte_sizes", "zinfjax._util.choices", "zinfjax._util.mapping_files", "zinfjax.program.jaxpr",
            "zinfjax.models.configs", "zinfjax.engine.budget", "zinfjax.engine.parts",
            "zinfjax.store.pool", "zinfjax.store.layout", "zinfjax.store.threads", "zinfjax.program.memo",
-           "zinfjax.plan", "zinfjax.models.products", "tests.support.tolerances"]
+           "zinfjax.planning.recommend", "zinfjax.models.products", "tests.support.tolerances"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, given, settings
 
 from zinfjax import Config, models
 from zinfjax.checkpoint import CheckpointSource, inspect
+from zinfjax.checkpoint.model import checkpoint_model
 from zinfjax.checkpoint.resume import plan_start
 from zinfjax.cli import main
 from zinfjax.errors import UserError
-from zinfjax.inference.params import checkpoint_model
 from zinfjax.models import ModelConfig
-from zinfjax.optim import make_optimizer
-from zinfjax.train import lm_program
+from zinfjax.trainers.optimizers import make_optimizer
+from zinfjax.trainers.streaming import lm_program
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 TINY = dict(model="gpt2-tiny", batch_size=2, seq_len=16, mesh="data:1")

@@ -20,7 +20,7 @@ from zinfjax.engine.engine import update_location
 from zinfjax.errors import ConfigError
 from zinfjax.sharding import make_mesh
 from zinfjax.store.layout import host_tier_kind, pick_host_kind
-from zinfjax.train import run
+from zinfjax.training.loop import run
 
 CASES = {  # name: config keys; each tier of the optimizer state, stage 3, sweeps (clipping) and fp16
     "bf16-host": dict(mesh="data:1", precision="bf16", optimizer="host"),

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from interop import load_hf
+from zinfjax_interop import load_hf
 from tests.engine_helpers import batches, config, make_engine
 from zinfjax import Config, models
 from zinfjax.checkpoint import CheckpointManager

@@ -17,11 +17,12 @@ from flax.training import train_state
 
 import zinfjax
 from tests.engine_helpers import assert_bitwise, config
-from zinfjax import models, rss
+from zinfjax import models
 from zinfjax.engine.budget import MAX_DEPTH, MemoryBudgetError
 from zinfjax.models.stacked import lm_init
+from zinfjax.runtime import rss
 from zinfjax.sharding import make_mesh
-from zinfjax.train import lm_engine
+from zinfjax.trainers.streaming import lm_engine
 
 NVME = dict(params="nvme", optimizer="nvme", gradients="nvme", activations="nvme")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,7 +68,7 @@ def test_wrap_with_abstract_params_and_init_fn_never_materialises_the_tree(tmp_p
     batch = {"x": np.ones((4, 5, 4), np.float32), "y": np.zeros((4, 3), np.float32)}
     c = config(mesh="data:1", nvme_path=str(tmp_path), **NVME)
     with zinfjax.wrap(state, c, loss_fn=loss_fn, init_fn=init_fn, batch=batch) as wrapped:
-        assert_bitwise(jax.jit(init_fn)(jax.random.key(c.seed)), wrapped.params)
+        assert_bitwise(jax.jit(init_fn)(jax.random.key(c.seed)), wrapped.read_params())
         wrapped.train_step(batch)
     with pytest.raises(zinfjax.WrapError, match="init_fn"):
         zinfjax.wrap(state, c, loss_fn=loss_fn)
@@ -147,9 +148,9 @@ def test_a_table_from_non_row_wise_code_is_refused_by_row_chunk():
 
 def test_the_embedding_initialises_chunk_by_chunk():
     """GPT-2's table never exists whole at initialisation: its source computes each chunk alone."""
-    from zinfjax.optim import make_optimizer
     from zinfjax.program.init import InitSource
-    from zinfjax.train import lm_program
+    from zinfjax.trainers.optimizers import make_optimizer
+    from zinfjax.trainers.streaming import lm_program
 
     built, c = models.build("gpt2-tiny"), config(mesh="data:1")
     program, _ = lm_program(built, c, make_optimizer(c))

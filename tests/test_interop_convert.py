@@ -23,18 +23,18 @@ import yaml  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import zinfjax  # noqa: E402
-from interop import load_hf  # noqa: E402
-from interop.convert import ZinfjaxCheckpoint, detect_format  # noqa: E402
+from zinfjax_interop import load_hf  # noqa: E402
+from zinfjax_interop.convert import ZinfjaxCheckpoint, detect_format  # noqa: E402
 from tests.engine_helpers import relative_error  # noqa: E402
 from tests.hf_cases import VOCAB, original_tensors, same_bits, save_case  # noqa: E402
 from tests.mounts import tmpfs  # noqa: E402
 from zinfjax import models  # noqa: E402
 from zinfjax.checkpoint import read_meta  # noqa: E402
 from zinfjax.cli import main  # noqa: E402
-from zinfjax.in_memory import make_step  # noqa: E402
 from zinfjax.models.stacked import lm_loss  # noqa: E402
-from zinfjax.optim import make_optimizer  # noqa: E402
 from zinfjax.sharding import make_mesh, replicated  # noqa: E402
+from zinfjax.trainers.optimizers import make_optimizer  # noqa: E402
+from zinfjax.trainers.reference import make_step  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
 NANOGPT_MAPPING = os.path.join(os.path.dirname(__file__), "..", "examples", "mapping_nanogpt.yaml")
@@ -117,7 +117,7 @@ def test_hf_converts_and_trains_as_the_in_memory_optax_loop(hf, tmp_path, capsys
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     with zinfjax.wrap(state, c, restore=str(tmp_path / "run")) as wrapped:
         losses = [wrapped.train_step(b)[1]["loss"] for b in batches]
-        after = jax.tree.map(np.asarray, wrapped.params)
+        after = jax.tree.map(np.asarray, wrapped.read_params())
     print(f"\nlosses: reference {ref_losses}, converted + nvme {losses}")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert relative_error(jax.tree.map(np.asarray, ref_params), after) < 1e-6

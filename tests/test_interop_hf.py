@@ -20,7 +20,7 @@ import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from interop import (  # noqa: E402
+from zinfjax_interop import (  # noqa: E402
     CheckpointFilesError,
     HFCheckpoint,
     MissingTensorError,
@@ -252,7 +252,7 @@ def test_a_directory_without_a_checkpoint_is_refused(tmp_path):
 
 
 def test_the_zinfjax_library_imports_neither_torch_nor_interop():
-    code = "import sys, zinfjax, zinfjax.models, zinfjax.cli; print(sorted({'torch', 'interop'} & set(sys.modules)))"
+    code = "import sys, zinfjax, zinfjax.models, zinfjax.cli; print(sorted({'torch', 'zinfjax_interop'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.stdout.strip() == "[]"

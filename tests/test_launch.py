@@ -2,9 +2,9 @@
 
 import pytest
 
-from zinfjax.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID, with_torchrun_names
 from zinfjax.errors import UserError
-from zinfjax.launch import gpus_of_rank, process_env
+from zinfjax.runtime.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID, with_torchrun_names
+from zinfjax.runtime.launch import gpus_of_rank, process_env
 
 
 def test_each_rank_gets_its_own_equal_share_of_the_hosts_gpus():

@@ -24,10 +24,10 @@ import pytest
 from tests.engine_helpers import assert_bitwise, batches, config, make_engine, relative_error
 from tests.support.tolerances import assert_no_farther, loss_distance
 from zinfjax import models
+from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.checkpoint import CheckpointManager, CheckpointSource
 from zinfjax.engine.engine import LossScale
 from zinfjax.models.stacked import lm_init, lm_loss
-from zinfjax.vocabulary import COMPUTE_DTYPES
 
 STEPS = 10
 

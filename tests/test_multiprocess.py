@@ -97,7 +97,7 @@ def resume_in_one_process(reference, ckpt, log):
 
 FAIL_IN_COLLECTIVE = textwrap.dedent("""
     import os
-    from zinfjax.distributed import initialize_from_env
+    from zinfjax.runtime.distributed import initialize_from_env
     from jax.experimental import multihost_utils
     initialize_from_env()
     multihost_utils.sync_global_devices("both here")

@@ -220,10 +220,10 @@ def test_wrap_keeps_the_optimizer_state_and_step_it_is_given(tmp_path):
         for b in data[5:]:
             wrapped.train_step(b)
         assert wrapped.step == 10
-        error = relative_error(jax.tree.map(np.asarray, ten.params), wrapped.params)
+        error = relative_error(jax.tree.map(np.asarray, ten.params), wrapped.read_params())
         print(f"5 in memory + 5 through zinfjax against 10 in memory: parameters relative L2 {error:.2e}")
         assert error < 1e-6
-        opt = wrapped.opt_state
+        opt = wrapped.read_opt_state()
     counts = [x for x in jax.tree.leaves(opt) if jnp.issubdtype(x.dtype, jnp.integer)]
     assert counts and all(int(x) == 10 for x in counts)  # Adam's count and the schedule's: kept, not reset
 

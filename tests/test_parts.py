@@ -15,17 +15,18 @@ import pytest
 
 from tests.engine_helpers import config, engine_run, make_engine, reference_run, relative_error
 from tests.support.tolerances import assert_no_farther, loss_distance
-from zinfjax import Config, models, rss
-from zinfjax.deepspeed_config import from_deepspeed
+from zinfjax import Config, models
+from zinfjax._util.deepspeed_config import from_deepspeed
 from zinfjax.engine.budget import minimum_bytes
 from zinfjax.engine.engine import store_specs
 from zinfjax.engine.parts import update_parts
 from zinfjax.engine.store_plan import budget_needs, leaf_slice_bytes
 from zinfjax.errors import ConfigError
 from zinfjax.models import ModelConfig
+from zinfjax.runtime import rss
 from zinfjax.sharding import make_mesh
 from zinfjax.store import BufferPool, StoreError, open_store
-from zinfjax.train import lm_engine
+from zinfjax.trainers.streaming import lm_engine
 
 L = 3
 

@@ -5,14 +5,18 @@ import json
 import numpy as np
 import pytest
 
-from zinfjax import models, rss
+from zinfjax import models
 from zinfjax.cli import main
 from zinfjax.config import TIER_KEYS, Config
 from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.engine.memory import zero_formula
-from zinfjax.plan import NOMINAL, PlanError, make_plan, parameter_count, state_parts, traffic
+from zinfjax.planning.cost import NOMINAL, traffic
+from zinfjax.planning.recommend import PlanError, make_plan
+from zinfjax.planning.state import parameter_count, state_parts
+from zinfjax.runtime import rss
 from zinfjax.sharding import make_mesh
-from zinfjax.train import lm_engine, run
+from zinfjax.trainers.streaming import lm_engine
+from zinfjax.training.loop import run
 
 BASE = ["model=gpt2-tiny", "mesh=data:1", "batch_size=2", "seq_len=32"]
 
@@ -53,7 +57,7 @@ def test_parts_equal_zero_formulas_and_engine_stores(precision, tmp_path):
     per_layer = 2 * 32 * mc.d_model * p  # B * T * d_model * bytes
     assert parts["activation_per_layer"] == per_layer and parts["activations"] >= mc.n_layers * per_layer
     # the nominal traffic model (params read twice, the rest once) is what the engine moves
-    from zinfjax.plan import _specs
+    from zinfjax.planning.state import _specs
 
     nominal = traffic(_specs(c, mc)[0], dict.fromkeys(TIER_KEYS, "host"), None)
     assert nominal["read_host"] == pytest.approx(moved_read, rel=0.1)

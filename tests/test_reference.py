@@ -6,13 +6,13 @@ import pytest
 
 from tests.support.tolerances import assert_no_farther, loss_distance
 from zinfjax import Config, models
+from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.data import Batches, load_tokens
-from zinfjax.in_memory import init_state, make_step
 from zinfjax.models.stacked import lm_init, lm_loss
-from zinfjax.optim import make_optimizer
 from zinfjax.sharding import make_mesh
-from zinfjax.train import ReferenceTrainer, run
-from zinfjax.vocabulary import COMPUTE_DTYPES
+from zinfjax.trainers.optimizers import make_optimizer
+from zinfjax.trainers.reference import ReferenceTrainer, init_state, make_step
+from zinfjax.training.loop import run
 
 
 def losses_on(devices, config, steps=4):

@@ -17,9 +17,9 @@ from zinfjax.engine.engine import compiled
 from zinfjax.engine.memory import state_bytes, zero_formula
 from zinfjax.engine.store_plan import plan_stores
 from zinfjax.errors import ConfigError
-from zinfjax.optim import make_optimizer
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, make_mesh, shard_shape
-from zinfjax.train import lm_program
+from zinfjax.trainers.optimizers import make_optimizer
+from zinfjax.trainers.streaming import lm_program
 
 # The table, written out independently of zinfjax.sharding: what each stage shards over `data`.
 STAGE_TABLE = {

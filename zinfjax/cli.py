@@ -4,7 +4,7 @@ User mistakes (`zinfjax.errors.UserError`) print one line and exit with status 2
 is a bug: it prints a short report, writes the full traceback to a file it names, and exits 1.
 
 The commands import their modules inside the function that runs them: ``zinfjax --help`` and
-``zinfjax launch`` start without importing JAX, and ``convert`` alone needs torch (``interop``).
+``zinfjax launch`` start without importing JAX, and ``convert`` alone needs torch (``zinfjax_interop``).
 """
 
 from __future__ import annotations
@@ -61,14 +61,14 @@ def add_config_args(p) -> None:
 
 
 def _train(args) -> int:
-    from zinfjax.allocator import tune_allocator
     from zinfjax.config import Config
-    from zinfjax.distributed import is_main_process
-    from zinfjax.train import run
+    from zinfjax.runtime.allocator import tune_allocator
+    from zinfjax.runtime.distributed import is_main_process
+    from zinfjax.training.loop import run
 
     config = Config.load(args.config, args.overrides)
     if config.uses_nvme:
-        tune_allocator()  # before the engine's I/O threads start: see zinfjax/allocator.py
+        tune_allocator()  # before the engine's I/O threads start: see zinfjax/runtime/allocator.py
     log = run(config, progress=not args.quiet, trace=args.trace)
     if not is_main_process():
         return 0
@@ -114,7 +114,8 @@ def _plan(args) -> int:
     import json
 
     from zinfjax.config import Config
-    from zinfjax.plan import format_plan, make_plan
+    from zinfjax.planning.recommend import make_plan
+    from zinfjax.planning.report import format_plan
 
     plan = make_plan(Config.load(args.config, args.overrides), probe=not args.no_probe)
     print(json.dumps(plan) if args.json else format_plan(plan, top=10**6 if args.all else 12))
@@ -143,7 +144,7 @@ def add_launch(sub) -> None:
 
 
 def _launch(args) -> int:
-    from zinfjax.launch import LaunchError, launch
+    from zinfjax.runtime.launch import LaunchError, launch
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
@@ -245,10 +246,10 @@ def add_generate(sub) -> None:
 
 
 def _generate(args) -> int:
+    from zinfjax.checkpoint.model import checkpoint_model
     from zinfjax.config import Config
     from zinfjax.inference import Sampling, generate
     from zinfjax.inference.generate import check_counts, parse_ids
-    from zinfjax.inference.params import checkpoint_model
     from zinfjax.inference.tokenizer import load_tokenizer
 
     config = Config.load(None, args.overrides)
@@ -336,9 +337,9 @@ def add_convert(sub) -> None:
 
 def _convert(args) -> int:
     try:
-        from interop.convert import convert  # lazy: interop needs torch, an optional extra
+        from zinfjax_interop.convert import convert  # lazy: interop needs torch, an optional extra
     except ModuleNotFoundError as e:
-        if e.name not in ("torch", "safetensors", "interop"):
+        if e.name not in ("torch", "safetensors", "zinfjax_interop"):
             raise
         raise ConfigError(f"zinfjax convert needs {e.name}, which is not installed: "
                           "pip install 'zinfjax[torch]'") from e
@@ -369,14 +370,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-HUGE_PAGE_COMMANDS = ("train", "plan", "generate")  # those that run steps: see zinfjax/allocator.py
+HUGE_PAGE_COMMANDS = ("train", "plan", "generate")  # those that run steps: see zinfjax/runtime/allocator.py
 
 
 def console() -> int:
     """Entry point of the ``zinfjax`` console script (and ``python -m zinfjax.cli``): the commands that run
-    steps start again once with malloc on transparent huge pages (`zinfjax.allocator.restart_with_huge_pages`)."""
+    steps start again once with malloc on transparent huge pages
+    (`zinfjax.runtime.allocator.restart_with_huge_pages`)."""
     if len(sys.argv) > 1 and sys.argv[1] in HUGE_PAGE_COMMANDS and "-h" not in sys.argv and "--help" not in sys.argv:
-        from zinfjax.allocator import restart_with_huge_pages
+        from zinfjax.runtime.allocator import restart_with_huge_pages
 
         restart_with_huge_pages()
     return main()
@@ -433,7 +435,7 @@ def _reader_left() -> int:
 
 def _exit_now_if_distributed(code: int) -> None:
     """A failed process of a multi-process run leaves at once: its peers may wait for it in a collective."""
-    distributed = sys.modules.get("zinfjax.distributed")
+    distributed = sys.modules.get("zinfjax.runtime.distributed")
     if distributed is not None and distributed.jax.distributed.is_initialized():
         distributed.exit_now(code)
 

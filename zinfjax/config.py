@@ -19,10 +19,10 @@ from typing import Any
 
 import yaml
 
-from zinfjax.byte_sizes import parse_bytes
+from zinfjax._util.byte_sizes import parse_bytes
+from zinfjax._util.choices import PRECISIONS, TIER_KEYS, TIERS
+from zinfjax._util.mapping_files import DuplicateKeyError, UniqueKeyLoader, parse_problem, read_mapping
 from zinfjax.errors import ConfigError, printable
-from zinfjax.mappings import DuplicateKeyError, UniqueKeyLoader, parse_problem, read_mapping
-from zinfjax.vocabulary import PRECISIONS, TIER_KEYS, TIERS
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adagrad", "rmsprop", "lamb", "adafactor")
 DECAYS = ("constant", "linear", "cosine")
@@ -111,7 +111,7 @@ class Config:
         """Reads a JSON or YAML file; a DeepSpeed config (with ``zero_optimization``) is mapped."""
         values = read_mapping(path)
         if is_deepspeed(values):
-            from zinfjax.deepspeed_config import from_deepspeed
+            from zinfjax._util.deepspeed_config import from_deepspeed
 
             with _naming(path, ""):
                 mapped = from_deepspeed(values, source=path)

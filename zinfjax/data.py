@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import os
 
+import jax
 import numpy as np
 
 from zinfjax.errors import UserError
@@ -144,3 +145,16 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, source: str) -> None:
             f"{source!r} has token id {top} but the model's vocabulary has {vocab_size} entries; "
             f"choose a model with a larger vocabulary"
         )
+
+
+def global_batch(batches: Batches, sharding) -> jax.Array:
+    """The next batch as one global array; each process reads only the rows its devices hold.
+
+    Example:
+        >>> global_batch(Batches(tokens, 8, 64), batch_sharding(mesh)).shape
+        (8, 65)
+    """
+    n = batches.position
+    batches.position += 1
+    shape = (batches.batch_size, batches.seq_len + 1)
+    return jax.make_array_from_callback(shape, sharding, lambda index: batches.batch(n, index[0])[:, index[1]])

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.checkpoint import CheckpointSource
 from zinfjax.config import Config
 from zinfjax.engine.engine import BatchError, Engine, update_plan
@@ -34,7 +35,6 @@ from zinfjax.errors import UserError
 from zinfjax.models.stacked import StackedLM, lm_init, lm_loss
 from zinfjax.program import InitSource, program_for
 from zinfjax.sharding import make_mesh
-from zinfjax.vocabulary import COMPUTE_DTYPES
 
 DOCS = "docs/models.md"
 
@@ -78,19 +78,18 @@ class WrappedState:
         self.step = self._engine.step_count
         return self, {"step": self.step, **metrics}
 
-    @property
-    def params(self):
-        """The current parameters in your tree's layout, gathered into memory (fp32 master weights)."""
+    def read_params(self):
+        """The current parameters in your tree's layout, read back from their tiers into memory (fp32 master
+        weights): the whole model, from NVMe where it lives there."""
         return self.engine.params()
 
-    @property
-    def opt_state(self):
-        """The current optax state of the whole tree, gathered into memory."""
+    def read_opt_state(self):
+        """The current optax state of the whole tree, read back from its tier into memory."""
         return self.engine.opt_state()
 
     def sync(self):
         """Writes the current parameters back into the wrapped NNX model (no-op for Linen); returns them."""
-        params = self.params
+        params = self.read_params()
         if self._on_sync:
             self._on_sync(params)
         return params

@@ -24,8 +24,8 @@ import statistics
 import sys
 import time
 
+from zinfjax._util.choices import TIERS
 from zinfjax.benchmarks.io import parse_size, raw_direct_io
-from zinfjax.vocabulary import TIERS
 
 GB = 1e9
 

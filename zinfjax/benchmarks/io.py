@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from zinfjax.byte_sizes import parse_bytes
+from zinfjax._util.byte_sizes import parse_bytes
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.errors import ConfigError
 from zinfjax.store import BufferPool, open_store, staging_bytes

@@ -4,12 +4,12 @@
 ``python -m MODULE ARGS...`` would (`runpy`, ``__main__``, ``sys.argv``) and, when it ends, writes
 to REPORT (JSON) its exit status, its peak RSS (VmHWM) and the seconds from the process's start to
 the end of the ``--import``s: the modules MODULE would import first (for ``zinfjax.cli train``,
-``zinfjax.train``), so that start-up is counted apart from what MODULE itself measures.
+``zinfjax.training.loop``), so that start-up is counted apart from what MODULE itself measures.
 
 This module imports nothing heavy: what it adds to the child's peak RSS is the interpreter's own.
 
 Example:
-    $ python -m zinfjax.benchmarks.process /tmp/r.json --import zinfjax.train zinfjax.cli train --set steps=2
+    $ python -m zinfjax.benchmarks.process /tmp/r.json --import zinfjax.training.loop zinfjax.cli train --set steps=2
 """
 
 from __future__ import annotations

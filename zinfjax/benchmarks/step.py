@@ -3,7 +3,7 @@
 One model (about 100M parameters), one batch, and each configuration in its own process, so
 that each peak RSS is its own:
 
-- ``reference``: the plain jitted optax step (zinfjax.in_memory), everything in memory;
+- ``reference``: the plain jitted optax step (zinfjax.trainers.reference), everything in memory;
 - ``device`` / ``host``: the engine with every tier on device / host memory;
 - ``nvme``: the engine with params, optimizer state, gradients and activations on the nvme
   tier. Its chunk I/O is O_DIRECT, so reads come from the disk and not from the page cache
@@ -29,12 +29,12 @@ import subprocess
 import sys
 import time
 
-from zinfjax import allocator
-from zinfjax.allocator import tune_allocator
 from zinfjax.benchmarks.capacity import param_count
 from zinfjax.benchmarks.cgroup import MemoryCgroup, disk_read_bytes
 from zinfjax.benchmarks.io import parse_size, raw_direct_io
-from zinfjax.rss import peak_bytes as peak_rss_bytes
+from zinfjax.runtime import allocator
+from zinfjax.runtime.allocator import tune_allocator
+from zinfjax.runtime.rss import peak_bytes as peak_rss_bytes
 
 RUNS = ("reference", "device", "host", "nvme")
 GB = 1e9
@@ -72,11 +72,11 @@ def one_batch(c):
 def time_reference(args, c, batch) -> tuple[list[float], list[float], list[dict]]:
     import jax
 
-    from zinfjax.in_memory import init_state, make_step
     from zinfjax.models import build
     from zinfjax.models.stacked import lm_init, lm_loss
-    from zinfjax.optim import make_optimizer
     from zinfjax.sharding import make_mesh
+    from zinfjax.trainers.optimizers import make_optimizer
+    from zinfjax.trainers.reference import init_state, make_step
 
     model, tx, mesh = build(bench_model(args)), make_optimizer(c), make_mesh(c.mesh_axes())
     params, opt = init_state(lm_init(model), tx, mesh, c.seed)
@@ -93,7 +93,7 @@ def time_reference(args, c, batch) -> tuple[list[float], list[float], list[dict]
 def time_engine(args, c, batch) -> tuple[list[float], list[float], list[dict]]:
     from zinfjax.models import build
     from zinfjax.sharding import make_mesh
-    from zinfjax.train import lm_engine
+    from zinfjax.trainers.streaming import lm_engine
 
     engine = lm_engine(build(bench_model(args)), c, make_mesh(c.mesh_axes()))
     try:
@@ -180,7 +180,7 @@ def summary(args, runs: dict, raw: list[dict], isolation: str) -> dict:
         "nvme_bytes_per_step": {"read": nvme["read_bytes_nvme"], "write": nvme["write_bytes_nvme"]},
         "peak_rss_GB_per_run": {r: runs[r]["peak_rss_GB"] for r in RUNS},
         "runs": runs,
-        "allocator": f"nvme run: {allocator.describe()} (zinfjax.allocator, as zinfjax train sets it); "
+        "allocator": f"nvme run: {allocator.describe()} (zinfjax.runtime.allocator, as zinfjax train sets it); "
                      "others: glibc defaults",
     }
 

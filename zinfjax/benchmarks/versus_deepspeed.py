@@ -44,11 +44,11 @@ import sys
 import tempfile
 import time
 
-from zinfjax.allocator import with_huge_pages
 from zinfjax.benchmarks.cgroup import MemoryCgroup
 from zinfjax.benchmarks.deepspeed_step import CONSTRUCTIONS, ds_config
 from zinfjax.benchmarks.io import parse_size, raw_direct_io
 from zinfjax.errors import UserError
+from zinfjax.runtime.allocator import with_huge_pages
 
 GB = 1e9
 PRECISIONS = ("fp32", "bf16")
@@ -75,7 +75,7 @@ def child_env() -> dict[str, str]:
 
 def zinfjax_env() -> dict[str, str]:
     """The environment of a zinfjax run: `child_env` with malloc on transparent huge pages, as the ``zinfjax``
-    command gives itself (`zinfjax.allocator.restart_with_huge_pages`). DeepSpeed's runs get `child_env`."""
+    command gives itself (`zinfjax.runtime.allocator.restart_with_huge_pages`). DeepSpeed's runs get `child_env`."""
     env = child_env()
     return with_huge_pages(env) or env
 
@@ -211,7 +211,7 @@ def run_zinfjax(args, run: str, precision: str) -> dict:
     log_path = os.path.join(args.dir, f"zinfjax-{run}-{precision}.json")
     overrides = zinfjax_overrides(args, run, precision, log_path)
     child = run_measured(args, ["zinfjax.cli", "train", "--quiet", *[a for o in overrides for a in ("--set", o)]],
-                         imports=("zinfjax.train",), env=zinfjax_env())
+                         imports=("zinfjax.training.loop",), env=zinfjax_env())
     if child["exit"] != 0:
         return {"error": failure(args, child), "command": zinfjax_command(overrides)}
     with open(log_path) as f:
@@ -248,7 +248,7 @@ def deepspeed_configs(args, precision: str) -> dict[str, dict]:
 
 def model_shape(args) -> dict:
     """The Hugging Face GPT-2 shape of ``args.model`` (a zinfjax gpt2 size)."""
-    from zinfjax.inference.params import resolve_model
+    from zinfjax.checkpoint.model import resolve_model
 
     try:
         m = resolve_model(args.model)

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import tensorstore as ts
 
-from zinfjax.byte_sizes import format_bytes
+from zinfjax._util.byte_sizes import format_bytes
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import (
     CheckpointCorruptError,

@@ -24,13 +24,13 @@ from concurrent.futures import Future
 import jax
 import numpy as np
 
-from zinfjax.byte_sizes import format_bytes
+from zinfjax._util.byte_sizes import format_bytes
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import CheckpointNotFoundError, CheckpointSaveError
 from zinfjax.checkpoint.identity import new_run_id
 from zinfjax.checkpoint.snapshot import Part, Snapshot, parts_of
 from zinfjax.checkpoint.verify import DELETING, leftovers
-from zinfjax.distributed import barrier
+from zinfjax.runtime.distributed import barrier
 from zinfjax.store.disk import free_bytes, is_disk_full
 from zinfjax.store.manifest import fsync_dir
 from zinfjax.store.threads import executor
@@ -52,7 +52,7 @@ class CheckpointManager:
         self.directory, self.keep = os.path.abspath(directory), keep
         self.config, self.model = config, model
         self.run_id = run_id  # the run these checkpoints belong to; made at the first save when not given
-        self.protect: int | None = None  # a step pruning keeps even beyond `keep` (see zinfjax.train.Saver)
+        self.protect: int | None = None  # a step pruning keeps even beyond `keep` (see zinfjax.training.loop.Saver)
         self._executor = executor(1, "zinf-ckpt")
         self._pending: Future | None = None
         self.last_error: CheckpointSaveError | None = None  # of the previous save, reported by `save`

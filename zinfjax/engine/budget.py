@@ -17,7 +17,7 @@ With state on NVMe and memory capped (`memory_capped`: ``memory_limit`` or ``hos
 or a memory cgroup below what is available) the engine also lowers glibc's mmap threshold
 (`NVME_MMAP_THRESHOLD`), so freed layer buffers leave the heap at once, and trims the heap at each
 step's start. Uncapped, it keeps 32 MiB and lets the heap keep 256 MiB of freed pages
-(`zinfjax.allocator.KEEP_FREE`): every large buffer mapped or faulted afresh costs CPU (gpt2-small on
+(`zinfjax.runtime.allocator.KEEP_FREE`): every large buffer mapped or faulted afresh costs CPU (gpt2-small on
 NVMe: 5.3-5.6 s steps at 4 MiB, 4.5-4.9 s at 32 MiB, peak 1.43 against 1.57 GB; docs/BENCHMARKS.md,
 "Profile"; and 6-10% of the step from keeping the pages, "Fewer reads, and the heap keeps its pages
 between layers").
@@ -37,9 +37,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from zinfjax import rss
-from zinfjax.byte_sizes import format_bytes
+from zinfjax._util.byte_sizes import format_bytes
 from zinfjax.errors import UserError
+from zinfjax.runtime import rss
 
 UNLIMITED = 1 << 60
 # What XLA's compiler and a step's temporaries take above the steady state, measured on the CPU
@@ -60,7 +60,7 @@ LIVE_PER_DEPTH = 2
 MIN_BUFFERS = 1 << 20
 # The glibc mmap threshold with state on NVMe: layer-sized buffers come from their own mappings and
 # go back to the system when freed, instead of fragmenting the heap (100-300 MiB less at the peak of
-# gpt2-small and llama-1b, at no measurable cost in step time; zinfjax.allocator).
+# gpt2-small and llama-1b, at no measurable cost in step time; zinfjax.runtime.allocator).
 NVME_MMAP_THRESHOLD = 4 << 20
 
 

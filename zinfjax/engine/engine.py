@@ -32,8 +32,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zinfjax import allocator
-from zinfjax.byte_sizes import format_bytes
+from zinfjax._util.byte_sizes import format_bytes
+from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.config import Config
 from zinfjax.engine import crash_marker, reuse
 from zinfjax.engine.budget import (
@@ -57,9 +57,9 @@ from zinfjax.program.optimizer import UpdatePlan, combine_partials
 from zinfjax.program.residuals import differentiable, residual_bytes, zero_cotangent
 from zinfjax.program.split import Program, unslice
 from zinfjax.program.stages import StageFunctions
+from zinfjax.runtime import allocator
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
 from zinfjax.store.layout import HOST_KINDS, host_tier_kind
-from zinfjax.vocabulary import COMPUTE_DTYPES
 
 
 class BatchError(UserError):

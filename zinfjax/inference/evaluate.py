@@ -19,13 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from zinfjax import models
+from zinfjax._util.choices import COMPUTE_DTYPES
+from zinfjax.checkpoint.model import checkpoint_model
 from zinfjax.config import Config
 from zinfjax.data import Batches, check_vocab, load_tokens
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.errors import ConfigError
 from zinfjax.inference.generate import abstract_params
-from zinfjax.inference.params import ParamStores, checkpoint_model
-from zinfjax.vocabulary import COMPUTE_DTYPES
+from zinfjax.inference.params import ParamStores
 
 
 def evaluate(source: str, data: str, config: Config, batches: int = 8, model=None) -> dict:

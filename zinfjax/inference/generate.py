@@ -25,15 +25,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from zinfjax import models
+from zinfjax._util.choices import COMPUTE_DTYPES
+from zinfjax.checkpoint.model import checkpoint_model
 from zinfjax.config import Config
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.engine.store_plan import SCRATCH_NVME
 from zinfjax.errors import ConfigError
-from zinfjax.inference.params import ParamStores, checkpoint_model
+from zinfjax.inference.params import ParamStores
 from zinfjax.inference.sampling import Sampling, next_tokens
 from zinfjax.models import ModelConfig
 from zinfjax.store import open_store
-from zinfjax.vocabulary import COMPUTE_DTYPES
 
 
 @dataclasses.dataclass

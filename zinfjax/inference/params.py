@@ -17,49 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
+from zinfjax._util.choices import COMPUTE_DTYPES, GROUPS
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import CheckpointError
 from zinfjax.checkpoint.manager import latest_checkpoint
 from zinfjax.config import Config
 from zinfjax.engine.budget import with_defaults
 from zinfjax.engine.store_plan import SCRATCH_NVME
-from zinfjax.models import ModelConfig
 from zinfjax.store import open_store
 from zinfjax.store.pool import staging_pool
-from zinfjax.vocabulary import COMPUTE_DTYPES, GROUPS
-
-
-def checkpoint_model(path: str) -> tuple[str, ModelConfig]:
-    """The checkpoint directory ``path`` names and the model it was saved with.
-
-    Example:
-        >>> checkpoint_model("runs/demo/ckpt")[1].arch
-        'gpt2'
-    """
-    directory = latest_checkpoint(path)
-    meta = fmt.read_meta(directory)
-    if not meta.get("items", {}).get("params"):
-        raise CheckpointError(f"{directory} holds no parameters; give a training checkpoint or one written by "
-                              "`zinfjax convert`")
-    model = meta.get("model")
-    if not model or "arch" not in model:
-        raise CheckpointError(f"{directory} does not record its model (it was saved without one); save through "
-                              "`zinfjax train` or `zinfjax convert`, which record it")
-    return directory, ModelConfig.from_dict(model, f"the model recorded in {directory}")
-
-
-def resolve_model(spec: str) -> ModelConfig:
-    """A named size, a ModelConfig JSON/YAML file, or the model a zinfjax checkpoint (or save_dir) records.
-
-    Example:
-        >>> resolve_model("gpt2-tiny").n_layers
-        4
-        >>> resolve_model("runs/gpt2").vocab_size      # a checkpoint written by `zinfjax convert`
-        50257
-    """
-    if os.path.isdir(spec):
-        return checkpoint_model(spec)[1]
-    return ModelConfig.resolve(spec)
 
 
 class ParamStores:

@@ -6,8 +6,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from zinfjax._util.mapping_files import read_mapping
 from zinfjax.errors import ConfigError
-from zinfjax.mappings import read_mapping
 from zinfjax.models.vocab import vocab_chunks
 
 ARCH_NAMES = ("gpt2", "llama", "bert")
@@ -60,7 +60,7 @@ class ModelConfig:
     def resolve(spec: str) -> ModelConfig:
         """A named size or a ModelConfig JSON/YAML file.
 
-        A checkpoint directory (or save_dir) names a model too; `zinfjax.inference.params.resolve_model`
+        A checkpoint directory (or save_dir) names a model too; `zinfjax.checkpoint.model.resolve_model`
         reads it, as models know no checkpoints (docs/design.md, the layering).
 
         Example:

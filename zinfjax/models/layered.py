@@ -21,8 +21,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
+from zinfjax._util.choices import GROUPS
 from zinfjax.errors import UserError
-from zinfjax.vocabulary import GROUPS
 
 Params = Any
 DOCS = "docs/layered.md"

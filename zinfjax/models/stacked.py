@@ -50,7 +50,7 @@ class StackedLM(nn.Module):
     dtype: Any = jnp.float32
     # Whole-model differentiation keeps each block's matrix products and recomputes the rest in the
     # backward (``nn.remat`` with `keep_products`), as the engine's saved residuals do: the in-memory
-    # trainer's step (zinfjax.train.ReferenceTrainer). The streamed layers (`layers`) never use it.
+    # trainer's step (zinfjax.trainers.reference.ReferenceTrainer). The streamed layers (`layers`) never use it.
     save_products: bool = False
     parts: ClassVar[tuple[type, type, type]]
     partition_rules: ClassVar[tuple] = ()  # tensor parallelism; see `Layers.partition_rules`

@@ -6,6 +6,7 @@ import os
 
 import jax
 
+from zinfjax._util.choices import TIERS
 from zinfjax.store.base import LayerStore
 from zinfjax.store.chunkfile import slot_bytes
 from zinfjax.store.errors import StoreUsageError
@@ -13,7 +14,6 @@ from zinfjax.store.layout import leaf_layout, leaf_names
 from zinfjax.store.memory import DeviceStore, HostStore
 from zinfjax.store.nvme import NvmeStore
 from zinfjax.store.pool import BufferPool
-from zinfjax.vocabulary import TIERS
 
 
 def open_store(

@@ -18,7 +18,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from zinfjax.config import Config
+from zinfjax.data import Batches, global_batch
+from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.sharding import batch_sharding, replicated
+from zinfjax.trainers.optimizers import make_optimizer
 
 
 def micro_batches(batch, grad_accum: int):
@@ -62,3 +66,33 @@ def init_state(init_fn, tx: optax.GradientTransformation, mesh: Mesh, seed: int)
     rep = replicated(mesh)
     params = jax.jit(init_fn, out_shardings=rep)(jax.random.key(seed))
     return params, jax.jit(tx.init, out_shardings=rep)(params)
+
+
+class ReferenceTrainer:
+    """The in-memory reference trainer behind a ``step(batch) -> metrics`` interface.
+
+    Its step keeps each block's matrix products for the backward and recomputes the rest
+    (``StackedLM.save_products``), as the engine's saved residuals do: the plain loop's arithmetic, up to
+    the rounding of the recomputed values, without stacking every intermediate of every layer.
+    """
+
+    engine = None  # nothing streams
+    restored = None  # a plain run starts afresh (``resume`` streams)
+
+    def __init__(self, config: Config, model, mesh):
+        self.tx = make_optimizer(config)
+        self.mesh = mesh
+        self.params, self.opt_state = init_state(lm_init(model), self.tx, mesh, config.seed)
+        self.loss = lm_loss(model.clone(save_products=True))
+        self._step = make_step(self.loss, self.tx, mesh, config.grad_accum)
+
+    def next_batch(self, batches: Batches) -> jax.Array:
+        return global_batch(batches, batch_sharding(self.mesh))
+
+    def step(self, batch) -> dict:
+        batch = jax.device_put(batch, batch_sharding(self.mesh))
+        self.params, self.opt_state, loss = self._step(self.params, self.opt_state, batch)
+        return {"loss": float(loss)}
+
+    def close(self) -> None:
+        """Nothing to let go: the state is JAX arrays, freed with the trainer."""

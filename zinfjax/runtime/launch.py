@@ -1,6 +1,6 @@
 """``zinfjax launch``: N copies of a command on this machine, joined by `jax.distributed`.
 
-Each copy gets the ``ZINFJAX_*`` variables that `zinfjax.distributed.initialize_from_env`
+Each copy gets the ``ZINFJAX_*`` variables that `zinfjax.runtime.distributed.initialize_from_env`
 reads and, on a host with GPUs, its own equal share of them in ``CUDA_VISIBLE_DEVICES``. Its
 output is streamed with a ``[rank i]`` prefix. When any copy fails (a non-zero exit, or killed
 by a signal) the others are stopped at once, so a run never hangs on a dead peer, and the
@@ -25,8 +25,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from zinfjax import distributed
 from zinfjax.errors import UserError
+from zinfjax.runtime import distributed
 
 POLL_S = 0.05
 STOP_GRACE_S = 5.0

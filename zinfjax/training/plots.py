@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 def loss_curve(log: dict, path: str) -> str:
     """Writes a PNG of loss against step from a run log and returns its path.
@@ -14,6 +9,11 @@ def loss_curve(log: dict, path: str) -> str:
     Example:
         >>> loss_curve({"config": {...}, "steps": [{"step": 1, "loss": 5.5}, ...]}, "loss.png")
     """
+    import matplotlib  # here, not at import: `import zinfjax` stays free of matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     steps = [s["step"] for s in log["steps"]]
     losses = [s["loss"] for s in log["steps"]]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)

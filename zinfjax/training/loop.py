@@ -19,144 +19,26 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 from tqdm import tqdm
 
-from zinfjax import allocator, models, rss
-from zinfjax.byte_sizes import format_bytes
-from zinfjax.checkpoint import CheckpointManager, CheckpointSaveError, CheckpointSource
-from zinfjax.checkpoint.resume import plan_start, resume_directory
+from zinfjax._util.byte_sizes import format_bytes
+from zinfjax._util.choices import TIER_KEYS
+from zinfjax.checkpoint import CheckpointManager, CheckpointSaveError
+from zinfjax.checkpoint.model import resolve_model
+from zinfjax.checkpoint.resume import plan_start
 from zinfjax.config import Config
 from zinfjax.data import Batches, check_vocab, load_tokens
-from zinfjax.distributed import initialize_from_env, is_main_process, process_nvme_path
-from zinfjax.engine.engine import Engine, update_plan
 from zinfjax.engine.trace import Tracer
 from zinfjax.errors import ConfigError, UserError
-from zinfjax.in_memory import init_state, make_step
-from zinfjax.inference.params import resolve_model
-from zinfjax.models.stacked import lm_init, lm_loss
-from zinfjax.nonfinite import LossWatch
-from zinfjax.optim import make_optimizer, make_schedule
-from zinfjax.plots import loss_curve
-from zinfjax.preflight import check_writable_file
-from zinfjax.program import InitSource, program_for
-from zinfjax.sharding import batch_sharding, check_batch, make_mesh
-from zinfjax.vocabulary import COMPUTE_DTYPES, TIER_KEYS
-
-
-class ReferenceTrainer:
-    """The in-memory reference trainer behind a ``step(batch) -> metrics`` interface.
-
-    Its step keeps each block's matrix products for the backward and recomputes the rest
-    (``StackedLM.save_products``), as the engine's saved residuals do: the plain loop's arithmetic, up to
-    the rounding of the recomputed values, without stacking every intermediate of every layer.
-    """
-
-    def __init__(self, config: Config, model, mesh):
-        self.tx = make_optimizer(config)
-        self.mesh = mesh
-        self.params, self.opt_state = init_state(lm_init(model), self.tx, mesh, config.seed)
-        self.loss = lm_loss(model.clone(save_products=True))
-        self._step = make_step(self.loss, self.tx, mesh, config.grad_accum)
-
-    def next_batch(self, batches: Batches) -> jax.Array:
-        return global_batch(batches, batch_sharding(self.mesh))
-
-    def step(self, batch) -> dict:
-        batch = jax.device_put(batch, batch_sharding(self.mesh))
-        self.params, self.opt_state, loss = self._step(self.params, self.opt_state, batch)
-        return {"loss": float(loss)}
-
-
-def lm_program(model, config: Config, tx):
-    """The program (and update plan) of a reference language model on ``(batch_size, seq_len + 1)`` tokens."""
-    batch = jax.ShapeDtypeStruct((config.batch_size // config.grad_accum, config.seq_len + 1), jnp.int32)
-    compute = COMPUTE_DTYPES[config.precision]
-    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute),
-                        jax.eval_shape(lm_init(model), jax.random.key(0)))
-    program = program_for(lm_loss(model), like, batch)
-    return program, update_plan(tx, program)
-
-
-def lm_engine(model, config: Config, mesh, source=None, tx=None) -> Engine:
-    """An engine training a reference language model.
-
-    ``source`` is None (initialise layer by layer, bitwise as ``model.init``), a source, or a
-    callable ``source(program, plan)`` that makes one.
-
-    Example:
-        >>> engine = lm_engine(models.build("gpt2-tiny"), Config(params="nvme", nvme_path="/nv"), mesh)
-    """
-    tx = tx or make_optimizer(config)
-    program, plan = lm_program(model, config, tx)
-    if source is None:
-        source = InitSource(program, lm_init(model), jax.random.key(config.seed))
-    elif callable(source) and not hasattr(source, "params"):
-        source = source(program, plan)
-    return Engine(program, source, tx, config, mesh, tp_rules=model.partition_rules)
-
-
-class EngineTrainer:
-    """The streaming engine behind the same ``step(batch) -> metrics`` interface.
-
-    The initial parameters are made one layer at a time straight into their tiers (`InitSource`),
-    bitwise as the model's own ``init`` makes them. With ``config.resume`` it starts from the newest
-    complete checkpoint in ``config.save_dir`` (``self.restored``: its source) instead.
-    """
-
-    def __init__(self, config: Config, model, mesh):
-        self.restored = None
-        self._config, self._model = config, model
-        self.engine = lm_engine(model, config, mesh, source=self._source)
-
-    def _source(self, program, plan):
-        config = self._config
-        directory = resume_directory(config) if config.resuming else None  # run's choice: resume=STEP, else newest
-        if directory is not None:
-            self.restored = CheckpointSource(directory, program, plan)
-            return self.restored
-        return InitSource(program, lm_init(self._model), jax.random.key(config.seed))
-
-    def next_batch(self, batches: Batches):
-        # The engine places a host batch itself; every process builds the same one, as batch n
-        # depends only on (seed, n).
-        return next(batches)
-
-    def step(self, batch) -> dict:
-        return self.engine.train_step(batch)
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-def global_batch(batches: Batches, sharding) -> jax.Array:
-    """The next batch as one global array; each process reads only the rows its devices hold.
-
-    Example:
-        >>> global_batch(Batches(tokens, 8, 64), batch_sharding(mesh)).shape
-        (8, 65)
-    """
-    n = batches.position
-    batches.position += 1
-    shape = (batches.batch_size, batches.seq_len + 1)
-    return jax.make_array_from_callback(shape, sharding, lambda index: batches.batch(n, index[0])[:, index[1]])
-
-
-def uses_engine(config: Config) -> bool:
-    """The reference trainer serves a plain in-memory run; anything offloaded, sharded or checkpointed streams."""
-    return config.stage > 0 or bool(config.save_dir) or any(getattr(config, k) != "device" for k in TIER_KEYS)
-
-
-def build_trainer(config: Config):
-    """The model, mesh and trainer a config describes."""
-    model_config = resolve_model(config.model)
-    model = models.build(model_config, COMPUTE_DTYPES[config.precision])
-    mesh = make_mesh(config.mesh_axes())
-    check_batch(config.batch_size, mesh, config.grad_accum)
-    if config.seq_len > model_config.max_seq_len:
-        raise ConfigError(f"seq_len={config.seq_len} exceeds the model's context of {model_config.max_seq_len}")
-    trainer = EngineTrainer if uses_engine(config) else ReferenceTrainer
-    return model, trainer(config, model, mesh)
+from zinfjax.runtime import allocator, rss
+from zinfjax.runtime.distributed import initialize_from_env, is_main_process, process_nvme_path
+from zinfjax.sharding import make_mesh
+from zinfjax.trainers.build import build_trainer
+from zinfjax.trainers.optimizers import make_schedule
+from zinfjax.trainers.streaming import EngineTrainer
+from zinfjax.training.nonfinite import LossWatch
+from zinfjax.training.plots import loss_curve
+from zinfjax.training.preflight import check_writable_file
 
 
 def run(config: Config, progress: bool = True, trace: str | None = None) -> dict:
@@ -193,7 +75,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     if config.warmup_steps > config.steps and main:
         print(f"zinfjax: warning: warmup_steps={config.warmup_steps} is longer than the run (steps={config.steps}): "
               "the learning rate never reaches lr", file=sys.stderr)
-    if getattr(trainer, "engine", None) is not None:
+    if trainer.engine is not None:
         log["budget"] = dataclasses.asdict(trainer.engine.budget)
         log["update_parts"] = {g: len(p) for g, p in trainer.engine.parts.items()}  # layers updated in parts
         log["update_on"] = trainer.engine.update_on  # where the optimizer update ran (update_on=auto decides)
@@ -235,7 +117,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
         if tracer is not None:
             tracer.detach()
             tracer.save(trace)
-        getattr(trainer, "close", lambda: None)()
+        trainer.close()
     if failure is not None:
         log["error"] = str(failure)
     if config.log and main:
@@ -246,8 +128,8 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
 
 
 def auto_tiers(config: Config, main: bool = True) -> Config:
-    """``tiers=auto``: the tier keys from `zinfjax.plan` (probes unless ``ZINFJAX_PLAN_PROBE=0``)."""
-    from zinfjax.plan import resolve_auto
+    """``tiers=auto``: the tier keys from `zinfjax.planning.recommend` (probes unless ``ZINFJAX_PLAN_PROBE=0``)."""
+    from zinfjax.planning.recommend import resolve_auto
 
     probe = os.environ.get("ZINFJAX_PLAN_PROBE", "1") != "0"
     config, plan = resolve_auto(config, probe=probe)
@@ -260,19 +142,18 @@ def auto_tiers(config: Config, main: bool = True) -> Config:
 
 def _start(trainer, batches: Batches, log: dict, main: bool) -> int:
     """The first step to run: 1, or one past a restored checkpoint (whose data position it takes)."""
-    engine = getattr(trainer, "engine", None)
+    engine, restored = trainer.engine, trainer.restored
     interrupted = engine.interrupted_step if engine is not None else None
-    restored = getattr(trainer, "restored", None)
     notes = []
     if interrupted is not None:
-        notes.append(f"the working state in {trainer.engine.config.nvme_path} was cut short during step "
+        notes.append(f"the working state in {engine.config.nvme_path} was cut short during step "
                      f"{interrupted} and is rebuilt")
     if restored is not None:
         batches.position = restored.data_position
         notes.append(f"resuming from checkpoint {restored.directory} (step {restored.step})")
         log["resumed_from"] = {"directory": restored.directory, "step": restored.step}
-    elif getattr(trainer, "engine", None) is not None and trainer.engine.config.resume:
-        notes.append(f"no checkpoint in {trainer.engine.config.save_dir} yet: starting from step 0")
+    elif engine is not None and engine.config.resume:
+        notes.append(f"no checkpoint in {engine.config.save_dir} yet: starting from step 0")
     if notes and main:
         print("zinfjax: " + "; ".join(notes), file=sys.stderr)
     return 1 + (restored.step if restored is not None else 0)
@@ -284,7 +165,7 @@ class Saver:
     A failed save is reported and training goes on; the previous checkpoints are intact. A failed
     final save fails the run (`close` returns the error). A step whose loss is not finite is never
     saved, and pruning keeps the newest checkpoint that a finite loss has vouched for even beyond
-    ``keep_checkpoints`` (see `zinfjax.nonfinite`), until the run ends.
+    ``keep_checkpoints`` (see `zinfjax.training.nonfinite`), until the run ends.
     """
 
     def __init__(self, config: Config, model_config, trainer, run_id: str | None = None, start: int = 0):
@@ -342,7 +223,7 @@ class Saver:
 def _attach_tracer(trainer, path: str | None):
     if path is None:
         return None
-    if not isinstance(trainer, EngineTrainer):
+    if trainer.engine is None:
         raise ConfigError("--trace records the streaming engine; offload a tier (e.g. --set params=host)")
     tracer = Tracer()
     tracer.attach(trainer.engine)

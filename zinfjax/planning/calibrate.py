@@ -1,0 +1,134 @@
+"""Calibration: a few timed steps of the engine on the model cut to a few layers, scaled to the whole model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from zinfjax._util.choices import TIER_KEYS
+from zinfjax.config import Config
+from zinfjax.planning.cost import NOMINAL
+
+CALIBRATION_LAYERS = 4
+
+
+CALIBRATION_STEPS = 3  # timed, after one untimed step that compiles
+
+
+def layer_flops(config: Config, m) -> tuple[float, float]:
+    """FLOPs of one step: ``(per layer, the rest)``; forward, recomputed forward and backward (8 x 1 pass)."""
+    tokens = config.batch_size * config.seq_len
+    kv = m.kv_heads * m.head_dim
+    mlp = (3 if m.arch == "llama" else 2) * m.d_model * m.d_ff
+    attention = 4 * tokens * config.seq_len * m.d_model
+    layer = 2 * tokens * (2 * m.d_model * m.d_model + 2 * m.d_model * kv + mlp) + attention
+    rest = 2 * tokens * m.d_model * m.vocab_size
+    return 4 * layer, 4 * rest
+
+
+def calibration_model(model_config, layers: int = CALIBRATION_LAYERS):
+    return model_config.replace(n_layers=min(layers, model_config.n_layers))
+
+
+def calibration_layers(model_config, state_bytes: int, host_bytes: int) -> int:
+    """All the layers when the state takes at most a quarter of the host budget; else `CALIBRATION_LAYERS`."""
+    return model_config.n_layers if 4 * state_bytes <= host_bytes else CALIBRATION_LAYERS
+
+
+def _batch(config: Config, vocab: int):
+    return np.random.default_rng(0).integers(0, vocab, (config.batch_size, config.seq_len + 1)).astype(np.int32)
+
+
+def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAYERS, tier: str = "device") -> dict:
+    """Times the engine with every tier on ``tier`` on a few layers; counts each store's reads and writes per byte."""
+    from zinfjax import models
+    from zinfjax.engine.engine import COMPUTE_DTYPES
+    from zinfjax.sharding import make_mesh
+    from zinfjax.trainers.streaming import lm_engine
+
+    c = config.replace(**dict.fromkeys(TIER_KEYS, tier), tiers="manual", save_dir=None, resume=False,
+                       memory_limit=None)
+    m = calibration_model(model_config, layers)
+    engine = lm_engine(models.build(m, COMPUTE_DTYPES[c.precision]), c, make_mesh(c.mesh_axes()))
+    try:
+        batch = _batch(c, m.vocab_size)
+        engine.train_step(batch)
+        named = [(k, g, s) for k, d in engine.stores.stores.items() for g, s in d.items()]
+        named += [("acts", f"s:scan{p}", s) for p, s in engine.stores.acts.items()]
+        before = {(k, g): (s.stats.bytes_read, s.stats.bytes_written) for k, g, s in named}
+        times = []
+        for _ in range(CALIBRATION_STEPS):
+            times.append(engine.train_step(batch)["step_s"])
+        traffic = {}
+        for k, g, s in named:
+            size = s.layer_nbytes * s.num_layers
+            r0, w0 = before[(k, g)]
+            n = CALIBRATION_STEPS * max(size, 1)
+            traffic[f"{k}|{g}"] = ((s.stats.bytes_read - r0) / n, (s.stats.bytes_written - w0) / n)
+    finally:
+        engine.close()
+    moved = sum(s.stats.bytes_read - before[(k, g)][0] + s.stats.bytes_written - before[(k, g)][1]
+                for k, g, s in named) / CALIBRATION_STEPS
+    return {"step_s": statistics.median(times), "layers": m.n_layers, "traffic": traffic, "bytes_per_step": moved}
+
+
+def added_rate(device: dict, tier: dict, floor: float) -> float:
+    """GB/s a tier adds to the step per byte it moves: that tier's step over the device-tier step, per byte.
+
+    The engine's copies and I/O overlap its compute in part, so this effective rate is what predicts
+    a step; when the difference is lost in noise, ``floor`` (a bare copy's or the disk's rate) stands
+    in, or the rate that would add 2% to the step if that is higher.
+
+    Example:
+        >>> added_rate({"step_s": 1.0}, {"step_s": 1.5, "bytes_per_step": 1e9}, 1.0)
+        2.0
+    """
+    extra = tier["step_s"] - device["step_s"]
+    if extra <= 0.02 * device["step_s"] or tier["bytes_per_step"] <= 0:
+        return max(floor, tier["bytes_per_step"] / max(0.02 * device["step_s"], 1e-9) / 1e9)
+    return tier["bytes_per_step"] / extra / 1e9
+
+
+def calibrate_nvme(config: Config, model_config, layers: int) -> dict:
+    """`calibrate_engine` with every tier on nvme, in a scratch directory under ``nvme_path`` removed after."""
+    os.makedirs(config.nvme_path, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=".zinfjax-plan-", dir=config.nvme_path)
+    try:
+        return calibrate_engine(config.replace(nvme_path=scratch), model_config, layers, tier="nvme")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def calibrate_reference(config: Config, model_config, layers: int = CALIBRATION_LAYERS) -> float:
+    """Median step time of the in-memory reference trainer (every tier on device, stage 0) on a few layers."""
+    from zinfjax import models
+    from zinfjax.engine.engine import COMPUTE_DTYPES
+    from zinfjax.sharding import make_mesh
+    from zinfjax.trainers.reference import ReferenceTrainer
+
+    m = calibration_model(model_config, layers)
+    trainer = ReferenceTrainer(config, models.build(m, COMPUTE_DTYPES[config.precision]), make_mesh(config.mesh_axes()))
+    batch = _batch(config, m.vocab_size)
+    trainer.step(batch)
+    times = []
+    for _ in range(CALIBRATION_STEPS):
+        t0 = time.perf_counter()
+        trainer.step(batch)  # float(loss) waits for the step
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def scale_to_model(seconds: float, config: Config, model_config, layers: int) -> float:
+    """A step timed on ``layers`` layers, scaled to all of them by FLOPs."""
+    per_layer, rest = layer_flops(config, model_config)
+    return seconds * (rest + model_config.n_layers * per_layer) / (rest + layers * per_layer)
+
+
+def nominal_compute(config: Config, model_config) -> float:
+    per_layer, rest = layer_flops(config, model_config)
+    return (rest + model_config.n_layers * per_layer) / NOMINAL["flops_per_s"]

@@ -1,0 +1,29 @@
+"""The trainer a config describes: the in-memory reference for a plain run, the streaming engine otherwise."""
+
+from __future__ import annotations
+
+from zinfjax import models
+from zinfjax._util.choices import COMPUTE_DTYPES, TIER_KEYS
+from zinfjax.checkpoint.model import resolve_model
+from zinfjax.config import Config
+from zinfjax.errors import ConfigError
+from zinfjax.sharding import check_batch, make_mesh
+from zinfjax.trainers.reference import ReferenceTrainer
+from zinfjax.trainers.streaming import EngineTrainer
+
+
+def uses_engine(config: Config) -> bool:
+    """The reference trainer serves a plain in-memory run; anything offloaded, sharded or checkpointed streams."""
+    return config.stage > 0 or bool(config.save_dir) or any(getattr(config, k) != "device" for k in TIER_KEYS)
+
+
+def build_trainer(config: Config):
+    """The model, mesh and trainer a config describes."""
+    model_config = resolve_model(config.model)
+    model = models.build(model_config, COMPUTE_DTYPES[config.precision])
+    mesh = make_mesh(config.mesh_axes())
+    check_batch(config.batch_size, mesh, config.grad_accum)
+    if config.seq_len > model_config.max_seq_len:
+        raise ConfigError(f"seq_len={config.seq_len} exceeds the model's context of {model_config.max_seq_len}")
+    trainer = EngineTrainer if uses_engine(config) else ReferenceTrainer
+    return model, trainer(config, model, mesh)
