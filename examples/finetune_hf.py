@@ -70,10 +70,9 @@ def finetune(ckpt_dir: str, args) -> dict:
     from flax.training import train_state
     from tqdm import tqdm
 
-    from zinfjax import models
+    from zinfjax import make_optimizer, models
     from zinfjax.checkpoint import CheckpointManager, read_meta
     from zinfjax.checkpoint.model import checkpoint_model
-    from zinfjax import make_optimizer
 
     path, model_config = checkpoint_model(ckpt_dir)
     config = zinfjax.Config(batch_size=args.batch_size, seq_len=args.seq_len, lr=read_meta(path)["config"]["lr"],

@@ -8,7 +8,7 @@ safetensors file whose header was written first (`zinfjax_interop.hf.write_hf`).
 | source (``--from``, found by itself) | what it is |
 |---|---|
 | ``hf`` | a directory with config.json and model.safetensors / pytorch_model.bin (single or sharded) |
-| ``deepspeed`` | a DeepSpeed save dir (``latest``, ``global_stepN/*_optim_states.pt``), see `zinfjax_interop.deepspeed` |
+| ``deepspeed`` | a DeepSpeed save dir (``latest``, ``global_stepN/*_optim_states.pt``), see `.deepspeed` |
 | ``zinfjax`` | a zinfjax checkpoint (``zinfjax.json``), or a save_dir of them (the newest is read) |
 | ``torch`` | a ``torch.save``'d state_dict (.pt/.pth/.bin) or a .safetensors file, with ``model`` and a mapping |
 
@@ -29,6 +29,18 @@ import jax
 import numpy as np
 from flax import traverse_util
 
+from zinfjax._util.byte_sizes import format_bytes, parse_bytes
+from zinfjax._util.mapping_files import read_mapping
+from zinfjax.checkpoint import CheckpointWriter, expected_leaves, read_meta
+from zinfjax.checkpoint import format as fmt
+from zinfjax.checkpoint.model import checkpoint_model
+from zinfjax.checkpoint.model import resolve_model as zinfjax_model
+from zinfjax.checkpoint.reader import LeafReader
+from zinfjax.config import Config
+from zinfjax.models import ModelConfig
+from zinfjax.models.configs import NAMED
+from zinfjax.store.disk import free_bytes, is_disk_full
+from zinfjax.trainers.optimizers import make_optimizer
 from zinfjax_interop.errors import (
     CheckpointFilesError,
     ConversionError,
@@ -42,18 +54,6 @@ from zinfjax_interop.hf import CONFIG, HFCheckpoint, Tensor, hf_specs, write_hf,
 from zinfjax_interop.hf_config import from_hf_config
 from zinfjax_interop.mapping import load_mapping
 from zinfjax_interop.tables import BY_ARCH
-from zinfjax._util.byte_sizes import format_bytes, parse_bytes
-from zinfjax._util.mapping_files import read_mapping
-from zinfjax.checkpoint import CheckpointWriter, expected_leaves, read_meta
-from zinfjax.checkpoint import format as fmt
-from zinfjax.checkpoint.model import checkpoint_model
-from zinfjax.checkpoint.model import resolve_model as zinfjax_model
-from zinfjax.checkpoint.reader import LeafReader
-from zinfjax.config import Config
-from zinfjax.models import ModelConfig
-from zinfjax.models.configs import NAMED
-from zinfjax.store.disk import free_bytes, is_disk_full
-from zinfjax.trainers.optimizers import make_optimizer
 
 FORMATS = ("hf", "deepspeed", "zinfjax", "torch")
 TARGETS = ("zinfjax", "hf")

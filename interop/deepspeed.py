@@ -30,6 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from zinfjax._util.mapping_files import read_mapping
+from zinfjax.checkpoint import CheckpointWriter, expected_leaves
+from zinfjax.config import Config
+from zinfjax.models import ModelConfig
+from zinfjax.models.configs import NAMED
+from zinfjax.trainers.optimizers import make_optimizer
 from zinfjax_interop.ds_adam import AdamSettings, UnsupportedOptimizerError, adam_settings
 from zinfjax_interop.ds_checkpoint import DeepSpeedCheckpoint, UnsupportedCheckpointError
 from zinfjax_interop.ds_partitions import KINDS, Partitions
@@ -43,12 +49,6 @@ from zinfjax_interop.errors import (
 from zinfjax_interop.hf import _Entry, _expected, _hf_shape, _layer_shape, _some, zinfjax_shapes
 from zinfjax_interop.hf_config import from_hf_config
 from zinfjax_interop.tables import BY_ARCH, FUSE_AXIS, ArchTable, hf_shape, to_zinfjax
-from zinfjax._util.mapping_files import read_mapping
-from zinfjax.checkpoint import CheckpointWriter, expected_leaves
-from zinfjax.config import Config
-from zinfjax.models import ModelConfig
-from zinfjax.models.configs import NAMED
-from zinfjax.trainers.optimizers import make_optimizer
 
 MOMENTS = {"exp_avg": "mu", "exp_avg_sq": "nu"}
 

@@ -23,8 +23,8 @@ import numpy as np
 import safetensors
 import torch
 
-from zinfjax_interop.errors import CheckpointFilesError
 from zinfjax._util.mapping_files import read_mapping
+from zinfjax_interop.errors import CheckpointFilesError
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 TORCH_BIN, TORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"

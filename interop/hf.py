@@ -27,6 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from zinfjax import models
+from zinfjax._util.mapping_files import read_mapping
+from zinfjax.models import ModelConfig
 from zinfjax_interop.errors import (
     CheckpointFilesError,
     MissingTensorError,
@@ -44,9 +47,6 @@ from zinfjax_interop.files import (
 )
 from zinfjax_interop.hf_config import from_hf_config, to_hf_config
 from zinfjax_interop.tables import BY_ARCH, FUSE_AXIS, TABLES, ArchTable, Rule, hf_shape, to_hf, to_zinfjax
-from zinfjax import models
-from zinfjax._util.mapping_files import read_mapping
-from zinfjax.models import ModelConfig
 
 CONFIG = "config.json"
 

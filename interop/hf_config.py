@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from zinfjax.models import ModelConfig
 from zinfjax_interop.errors import UnknownArchitectureError, UnsupportedConfigError
 from zinfjax_interop.tables import BY_ARCH, TABLES
-from zinfjax.models import ModelConfig
 
 _NEEDED = object()
 GPT2_EOS = 50256  # GPT2Config's default bos and eos token id: <|endoftext|>

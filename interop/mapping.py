@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import os
 
+from zinfjax._util.mapping_files import read_mapping
+from zinfjax.models import ModelConfig
 from zinfjax_interop.errors import ConversionError
 from zinfjax_interop.hf import zinfjax_shapes
 from zinfjax_interop.tables import ArchTable, Layout, Rule
-from zinfjax._util.mapping_files import read_mapping
-from zinfjax.models import ModelConfig
 
 KEYS = ("to", "layout", "in_axes")
 

