@@ -85,31 +85,8 @@ def make_plan(config: Config, probe: bool = True) -> dict:
         rates["host_copy_GBps"] = None
         notes.append(f"the host tier copies nothing: {no_copy}")
     if probe:
-        if config.nvme_path:  # the probes write under it: a path that cannot hold them is refused in one line
-            prepare_directory(config.nvme_path)
-        largest = max((math.prod(x.shape[1:]) * np.dtype(x.dtype).itemsize for _, _, like in stores
-                       for x in jax.tree.leaves(like)), default=MiB)
-        if copies:
-            rates["host_copy_GBps"] = probe_host_copy(int(min(max(largest, MiB), 64 * MiB)))
-        if config.nvme_path:
-            rates.update(probe_disk(config.nvme_path))
-        state = parts["params"] + parts["master"] + parts["optimizer"] + parts["gradients"]
-        layers = calibration_layers(model_config, state, machine["host_bytes"])
-        calibration = calibrate_engine(config, model_config, layers)
-        factors = {"device": calibration["traffic"]}
-        if copies:
-            on_host = calibrate_engine(config, model_config, calibration["layers"], tier="host")
-            rates["host_copy_GBps"] = added_rate(calibration, on_host, rates["host_copy_GBps"])
-        if config.nvme_path and machine["platform"] == "cpu":  # only the CPU backend's model uses it
-            on_nvme = calibrate_nvme(config, model_config, calibration["layers"])
-            factors["nvme"] = on_nvme["traffic"]
-            disk = 2 / (1 / rates["disk_read_GBps"] + 1 / rates["disk_write_GBps"])
-            rates["nvme_step_GBps"] = added_rate(calibration, on_nvme, disk)
-        rates["engine_s"] = scale_to_model(calibration["step_s"], config, model_config, calibration["layers"])
-        rates["calibration_layers"] = calibration["layers"]
-        if any(f["fits"] and uses_reference(config, t) for t, f in fits):
-            rates["reference_s"] = scale_to_model(calibrate_reference(config, model_config, layers), config,
-                                                  model_config, calibration["layers"])
+        factors = _measure(config, model_config, stores, parts, machine, rates, copies,
+                           any(f["fits"] and uses_reference(config, t) for t, f in fits))
     else:
         notes.append("no probes: nominal disk, host-copy and compute figures")
     if "disk_note" in rates:
@@ -129,6 +106,38 @@ def make_plan(config: Config, probe: bool = True) -> dict:
             "precision": config.precision, "stage": config.stage, "mesh": config.mesh, "parts": parts,
             "machine": machine, "rates": rates, "probed": probe, "notes": notes,
             "recommended": {"tiers": best["tiers"], "step_s": best["step_s"]}, "placements": rows}
+
+
+def _measure(config: Config, model_config, stores, parts: dict, machine: dict, rates: dict, copies: bool,
+             reference: bool) -> dict:
+    """Probes the disk and host copies and times the engine on a cut model, into ``rates``; returns the bytes
+    each kind of store moves per byte of it in a step (per tier). ``reference``: time the in-memory trainer too."""
+    if config.nvme_path:  # the probes write under it: a path that cannot hold them is refused in one line
+        prepare_directory(config.nvme_path)
+    largest = max((math.prod(x.shape[1:]) * np.dtype(x.dtype).itemsize for _, _, like in stores
+                   for x in jax.tree.leaves(like)), default=MiB)
+    if copies:
+        rates["host_copy_GBps"] = probe_host_copy(int(min(max(largest, MiB), 64 * MiB)))
+    if config.nvme_path:
+        rates.update(probe_disk(config.nvme_path))
+    state = parts["params"] + parts["master"] + parts["optimizer"] + parts["gradients"]
+    layers = calibration_layers(model_config, state, machine["host_bytes"])
+    calibration = calibrate_engine(config, model_config, layers)
+    factors = {"device": calibration["traffic"]}
+    if copies:
+        on_host = calibrate_engine(config, model_config, calibration["layers"], tier="host")
+        rates["host_copy_GBps"] = added_rate(calibration, on_host, rates["host_copy_GBps"])
+    if config.nvme_path and machine["platform"] == "cpu":  # only the CPU backend's model uses it
+        on_nvme = calibrate_nvme(config, model_config, calibration["layers"])
+        factors["nvme"] = on_nvme["traffic"]
+        disk = 2 / (1 / rates["disk_read_GBps"] + 1 / rates["disk_write_GBps"])
+        rates["nvme_step_GBps"] = added_rate(calibration, on_nvme, disk)
+    rates["engine_s"] = scale_to_model(calibration["step_s"], config, model_config, calibration["layers"])
+    rates["calibration_layers"] = calibration["layers"]
+    if reference:
+        rates["reference_s"] = scale_to_model(calibrate_reference(config, model_config, layers), config,
+                                              model_config, calibration["layers"])
+    return factors
 
 
 def recommend(rows: list[dict], within: float = TIE) -> dict:

@@ -111,72 +111,74 @@ def inline_calls(closed, keep=lambda jaxpr: not contains(jaxpr, SCAN), names=CAL
     of their outputs by the (clamped) index. That computes the branches not taken too, which is
     harmless for pure code and makes a cond over a whole tree separable leaf by leaf.
     """
-    constvars, consts, eqns = list(closed.jaxpr.constvars), list(closed.consts), []
-    mapping: dict = {}
+    return _Inliner(closed, keep, names, conds).run()
 
-    def atom(a):
-        return mapping.get(a, a) if is_var(a) else a
 
-    def emit(jaxpr) -> None:
+class _Inliner:
+    """`inline_calls`' state: the outer jaxpr's constants and equations so far, and the renaming of inlined
+    variables to outer atoms."""
+
+    def __init__(self, closed, keep, names, conds: bool):
+        self.closed, self.keep, self.names, self.conds = closed, keep, names, conds
+        self.constvars, self.consts, self.eqns = list(closed.jaxpr.constvars), list(closed.consts), []
+        self.mapping: dict = {}
+
+    def run(self):
+        jaxpr = self.closed.jaxpr
+        self.emit(jaxpr)
+        new = jc.Jaxpr(self.constvars, list(jaxpr.invars), [self.atom(a) for a in jaxpr.outvars], self.eqns,
+                       jaxpr.effects, jaxpr.debug_info)
+        return jc.ClosedJaxpr(new, self.consts)
+
+    def atom(self, a):
+        return self.mapping.get(a, a) if is_var(a) else a
+
+    def emit(self, jaxpr) -> None:
         for eqn in jaxpr.eqns:
-            if conds and eqn.primitive.name == "cond" and not eqn.effects:
-                expand(eqn)
+            if self.conds and eqn.primitive.name == "cond" and not eqn.effects:
+                self.expand(eqn)
                 continue
-            sub = sub_jaxpr(eqn, names)
-            if sub is None or keep(sub[0]):
-                outvars = [_fresh(v, mapping) for v in eqn.outvars]
-                eqns.append(eqn.replace(invars=[atom(a) for a in eqn.invars], outvars=outvars))
+            sub = sub_jaxpr(eqn, self.names)
+            if sub is None or self.keep(sub[0]):
+                outvars = [_fresh(v, self.mapping) for v in eqn.outvars]
+                self.eqns.append(eqn.replace(invars=[self.atom(a) for a in eqn.invars], outvars=outvars))
                 continue
-            body, body_consts = sub
-            for var, value in zip(body.constvars, body_consts, strict=True):
-                fresh = jc.Var(var.aval)
-                constvars.append(fresh)
-                consts.append(value)
-                mapping[var] = fresh
-            for var, a in zip(body.invars, eqn.invars, strict=True):
-                mapping[var] = atom(a)
-            emit(body)
-            for var, out in zip(eqn.outvars, body.outvars, strict=True):
+            outs = self.body(*sub, [self.atom(a) for a in eqn.invars])
+            for var, out in zip(eqn.outvars, outs, strict=True):
                 if is_var(var):
-                    mapping[var] = atom(out)
+                    self.mapping[var] = out
 
-    def body(jaxpr, consts, args) -> list:
+    def body(self, jaxpr, consts, args) -> list:
         """Emits ``jaxpr`` on ``args`` (outer atoms); returns its outputs as outer atoms."""
         for var, value in zip(jaxpr.constvars, consts, strict=True):
             fresh = jc.Var(var.aval)
-            constvars.append(fresh)
-            consts_out.append(value)
-            mapping[var] = fresh
+            self.constvars.append(fresh)
+            self.consts.append(value)
+            self.mapping[var] = fresh
         for var, a in zip(jaxpr.invars, args, strict=True):
-            mapping[var] = a
-        emit(jaxpr)
-        return [atom(a) for a in jaxpr.outvars]
+            self.mapping[var] = a
+        self.emit(jaxpr)
+        return [self.atom(a) for a in jaxpr.outvars]
 
-    def expand(eqn) -> None:
+    def expand(self, eqn) -> None:
+        """A ``cond`` as straight-line code: every branch, then a ``select_n`` of their outputs by the index."""
         branches = eqn.params["branches"]
-        index, *ops = [atom(a) for a in eqn.invars]
-        outs = [body(b.jaxpr, b.consts, ops) for b in branches]
+        index, *ops = [self.atom(a) for a in eqn.invars]
+        outs = [self.body(b.jaxpr, b.consts, ops) for b in branches]
         idx = jc.Var(index.aval) if is_var(index) or len(branches) > 1 else index
         if len(branches) > 1:
             lo, hi = (jc.Literal(np.array(v, index.aval.dtype), index.aval) for v in (0, len(branches) - 1))
-            eqns.append(jc.new_jaxpr_eqn([lo, index, hi], [idx], prims.clamp_p, {}, jc.no_effects))
+            self.eqns.append(jc.new_jaxpr_eqn([lo, index, hi], [idx], prims.clamp_p, {}, jc.no_effects))
         for k, out in enumerate(eqn.outvars):
             if not is_var(out):
                 continue
-            fresh = jc.Var(out.aval)
-            mapping[out] = fresh
             cases = [o[k] for o in outs]
             if len(cases) == 1:
-                mapping[out] = cases[0]
+                self.mapping[out] = cases[0]
                 continue
-            eqns.append(jc.new_jaxpr_eqn([idx, *cases], [fresh], prims.select_n_p, {}, jc.no_effects))
-
-    consts_out = consts
-    emit(closed.jaxpr)
-    jaxpr = closed.jaxpr
-    new = jc.Jaxpr(constvars, list(jaxpr.invars), [atom(a) for a in jaxpr.outvars], eqns,
-                   jaxpr.effects, jaxpr.debug_info)
-    return jc.ClosedJaxpr(new, consts)
+            fresh = jc.Var(out.aval)
+            self.mapping[out] = fresh
+            self.eqns.append(jc.new_jaxpr_eqn([idx, *cases], [fresh], prims.select_n_p, {}, jc.no_effects))
 
 
 def _fresh(var, mapping: dict):

@@ -51,67 +51,22 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     started = time.perf_counter()
     initialize_from_env()
     main = is_main_process()
-    config = config.with_batch_for(make_mesh(config.mesh_axes()).shape["data"])  # DeepSpeed's micro-batch
-    if config.tiers == "auto":
-        config = auto_tiers(config, main)
-    if config.log and main:
-        check_writable_file(config.log, "log")
-    model_config = resolve_model(config.model)
-    tokens = load_tokens(config.data)
-    check_vocab(tokens, model_config.vocab_size, config.data)
-    batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
-    plan = plan_start(config, model_config)
-    if plan.notes and main:
-        print("zinfjax: " + "; ".join(plan.notes), file=sys.stderr)
-    config = plan.config
+    config, model_config, batches, start = _prepare(config, main)
     model, trainer = build_trainer(config.replace(nvme_path=process_nvme_path(config.nvme_path)))
     tracer = _attach_tracer(trainer, trace if main else None)
     log = {"config": config.to_dict(), "processes": jax.process_count(), "devices": jax.device_count(),
            "init_s": time.perf_counter() - started, "init_peak_rss_bytes": rss.peak_bytes(),
            "malloc_huge_pages": allocator.huge_pages(), "steps": []}
     first = _start(trainer, batches, log, main)
-    schedule = make_schedule(config)
     if config.warmup_steps > config.steps and main:
         print(f"zinfjax: warning: warmup_steps={config.warmup_steps} is longer than the run (steps={config.steps}): "
               "the learning rate never reaches lr", file=sys.stderr)
     if trainer.engine is not None:
-        log["budget"] = dataclasses.asdict(trainer.engine.budget)
-        log["update_parts"] = {g: len(p) for g, p in trainer.engine.parts.items()}  # layers updated in parts
-        log["update_on"] = trainer.engine.update_on  # where the optimizer update ran (update_on=auto decides)
-        log["host_memory_kind"] = trainer.engine.host_kind
-        log["recompute"] = not trainer.engine.saves_residuals  # whether each backward reruns its forward
-        log["residual_bytes_bound"] = trainer.engine.residual_bytes  # what recompute=auto counted them at, at most
-        log["reused_layers"] = len(trainer.engine.reuse)  # layers whose parameters the backward took from the forward
-        log["carried_layers"] = len(trainer.engine.carry)  # layers whose update handed the next forward its copy
-        log["staging_memory"] = trainer.engine.stores.pool.stats()["memory"]  # NVMe staging: pinned_host or pageable
-        if trainer.engine.host_kind_fallback:
-            log["host_memory_fallback"] = trainer.engine.host_kind_fallback
-    saver = Saver(config, model.config, trainer, plan.run_id, first - 1) if config.save_dir else None
-    watch = LossWatch(config.max_nonfinite_steps, config.lr)
-    bar = tqdm(range(first, config.steps + 1), disable=not (progress and main), unit="step", dynamic_ncols=True,
-               initial=first - 1, total=config.steps)
-    stopped = None
+        log.update(engine_facts(trainer.engine))
+    saver = Saver(config, model.config, trainer, start.run_id, first - 1) if config.save_dir else None
     log["init_s"] = time.perf_counter() - started  # through the restore, if any
     try:
-        for step in bar:
-            rss.reset_peak()
-            start = time.perf_counter()
-            metrics = trainer.step(trainer.next_batch(batches))
-            seconds = time.perf_counter() - start
-            record = {"step": step, **metrics, "tokens_per_s": config.batch_size * config.seq_len / seconds,
-                      "lr": float(schedule(step - 1)) if callable(schedule) else schedule,
-                      "peak_rss_bytes": rss.peak_bytes(), **device_memory()}
-            log["steps"].append(record)
-            bar.set_postfix_str(progress_text(record), refresh=False)
-            finite = watch.after_step(step, metrics["loss"])
-            if saver:
-                saver.after_step(step, batches.position, last=step == config.steps, finite=finite)
-            if watch.exhausted or (watch.failing and step == config.steps):
-                stopped = step
-                break
-        failure = saver.close(finished=stopped is None) if saver else None
-        if stopped is not None:
-            failure = watch.error(stopped, *(saver.good_and_doubtful() if saver else (None, None)))
+        failure = _steps(config, trainer, batches, log, saver, first, progress and main)
     finally:
         if tracer is not None:
             tracer.detach()
@@ -124,6 +79,71 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     if failure is not None:
         raise failure
     return log
+
+
+def _prepare(config: Config, main: bool):
+    """The run's config (micro-batch, tiers=auto and resume decided), model, batches and start, each checked
+    before anything is built."""
+    config = config.with_batch_for(make_mesh(config.mesh_axes()).shape["data"])  # DeepSpeed's micro-batch
+    if config.tiers == "auto":
+        config = auto_tiers(config, main)
+    if config.log and main:
+        check_writable_file(config.log, "log")
+    model_config = resolve_model(config.model)
+    tokens = load_tokens(config.data)
+    check_vocab(tokens, model_config.vocab_size, config.data)
+    batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
+    start = plan_start(config, model_config)
+    if start.notes and main:
+        print("zinfjax: " + "; ".join(start.notes), file=sys.stderr)
+    return start.config, model_config, batches, start
+
+
+def engine_facts(engine) -> dict:
+    """What the log records of the engine's choices: its budget, parts, update place, residuals, reuse."""
+    facts = {
+        "budget": dataclasses.asdict(engine.budget),
+        "update_parts": {g: len(p) for g, p in engine.parts.items()},  # layers updated in parts
+        "update_on": engine.update_on,  # where the optimizer update ran (update_on=auto decides)
+        "host_memory_kind": engine.host_kind,
+        "recompute": not engine.saves_residuals,  # whether each backward reruns its forward
+        "residual_bytes_bound": engine.residual_bytes,  # what recompute=auto counted them at, at most
+        "reused_layers": len(engine.reuse),  # layers whose parameters the backward took from the forward
+        "carried_layers": len(engine.carry),  # layers whose update handed the next forward its copy
+        "staging_memory": engine.stores.pool.stats()["memory"],  # NVMe staging: pinned_host or pageable
+    }
+    if engine.host_kind_fallback:
+        facts["host_memory_fallback"] = engine.host_kind_fallback
+    return facts
+
+
+def _steps(config: Config, trainer, batches: Batches, log: dict, saver, first: int, progress: bool):
+    """Steps ``first`` to ``config.steps``, each recorded in ``log``; returns the run's failure, or None."""
+    schedule = make_schedule(config)
+    watch = LossWatch(config.max_nonfinite_steps, config.lr)
+    bar = tqdm(range(first, config.steps + 1), disable=not progress, unit="step", dynamic_ncols=True,
+               initial=first - 1, total=config.steps)
+    stopped = None
+    for step in bar:
+        rss.reset_peak()
+        start = time.perf_counter()
+        metrics = trainer.step(trainer.next_batch(batches))
+        seconds = time.perf_counter() - start
+        record = {"step": step, **metrics, "tokens_per_s": config.batch_size * config.seq_len / seconds,
+                  "lr": float(schedule(step - 1)) if callable(schedule) else schedule,
+                  "peak_rss_bytes": rss.peak_bytes(), **device_memory()}
+        log["steps"].append(record)
+        bar.set_postfix_str(progress_text(record), refresh=False)
+        finite = watch.after_step(step, metrics["loss"])
+        if saver:
+            saver.after_step(step, batches.position, last=step == config.steps, finite=finite)
+        if watch.exhausted or (watch.failing and step == config.steps):
+            stopped = step
+            break
+    failure = saver.close(finished=stopped is None) if saver else None
+    if stopped is not None:
+        failure = watch.error(stopped, *(saver.good_and_doubtful() if saver else (None, None)))
+    return failure
 
 
 def auto_tiers(config: Config, main: bool = True) -> Config:
