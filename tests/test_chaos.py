@@ -6,7 +6,7 @@ begins), after the save of a random one of its next two steps begins. So the kil
 in a save's background write, in its commit, or in the pruning of an old checkpoint. The next
 process resumes from whatever the kill left. After `KILLS` kills a last process runs to the end,
 and its checkpoints must equal, file for file and byte for byte (every chunk, with its crc32c),
-those of a run that was never interrupted.
+those of a run that was never interrupted: invariant 4 (docs/design.md) under kills at any point.
 """
 
 from __future__ import annotations

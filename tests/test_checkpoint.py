@@ -1,4 +1,8 @@
-"""Checkpoints: orbax layout, asynchronous and atomic saves, resharding restores, bad input."""
+"""Checkpoints: orbax layout, asynchronous and atomic saves, resharding restores, bad input.
+
+A flipped byte in any chunk is caught by its crc32c, and a failed save keeps the previous one: invariant 4
+(docs/design.md).
+"""
 
 from __future__ import annotations
 

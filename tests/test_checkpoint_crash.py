@@ -1,4 +1,8 @@
-"""SIGKILL in the middle of a save and of a step; the memory a save takes."""
+"""SIGKILL in the middle of a save and of a step; the memory a save takes.
+
+Invariant 4 (docs/design.md): a kill at either point leaves the last complete checkpoint readable, and
+training resumed from it gives the losses of a run that was never killed.
+"""
 
 from __future__ import annotations
 

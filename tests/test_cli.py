@@ -1,4 +1,6 @@
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -8,10 +10,28 @@ def zinfjax(*args, **kw):
 
 
 def test_help_explains_every_option():
+    """`zinfjax train --help` has a row for every `Config` field, each with its explanation and default."""
+    from zinfjax.config import KEY_DOCS, Config
+
     out = zinfjax("train", "--help")
-    assert out.returncode == 0
-    for key in ("stage", "nvme_path", "prefetch_depth", "host_buffer_bytes", "grad_accum", "mesh", "log"):
-        assert key in out.stdout
+    assert out.returncode == 0, out.stderr
+    _, found, section = out.stdout.partition("config keys (set in the config file or with --set key=value):\n")
+    assert found, "zinfjax train --help has no section of config keys"
+    rows = {}
+    for line in section.split("\n\n")[0].splitlines():
+        row = re.fullmatch(r"  (\w+) +(.*?) *\(default: (.*)\)", line)
+        assert row, f"not a config key's row: {line!r}"
+        key, text, default = row.groups()
+        assert key not in rows, f"{key} is explained twice"
+        rows[key] = text, default
+    names = [f.name for f in dataclasses.fields(Config)]
+    assert sorted(rows) == sorted(names), (
+        f"keys without a row: {sorted(set(names) - set(rows))}; rows of no key: {sorted(set(rows) - set(names))}")
+    for f in dataclasses.fields(Config):
+        text, default = rows[f.name]
+        assert re.search(r"[a-z]{2}", text), f"{f.name} has no explanation in zinfjax train --help (KEY_DOCS)"
+        assert default == repr(f.default), f"{f.name}: help says default {default}, Config has {f.default!r}"
+    assert not set(KEY_DOCS) - set(names), f"KEY_DOCS explains keys Config lacks: {sorted(set(KEY_DOCS) - set(names))}"
     assert "train" in zinfjax("--help").stdout
 
 

@@ -1,8 +1,8 @@
 """Invariant 1: the engine equals the in-memory reference trainer, for every tier and prefetch depth.
 
 The engine on device memory is held to the reference over 20 steps. Every other tier and depth is
-held to the engine on device memory *bitwise* (the operation order does not depend on where the
-state lives), over 5 steps: bitwise equality after 5 steps is equality after 20. The full matrix of
+held to the engine on device memory *bitwise* (invariant 3: the operation order does not depend on
+where the state lives), over 5 steps: bitwise equality after 5 steps is equality after 20. The full matrix of
 depths is ``wide`` (``make test-all``).
 """
 

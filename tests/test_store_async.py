@@ -1,4 +1,8 @@
-"""Asynchronous behaviour: the buffer pool bound, prefetch order and depth, read-after-write."""
+"""Asynchronous behaviour: the buffer pool bound, prefetch order and depth, read-after-write.
+
+Reads in the order of their schedule and the writes of one layer landing in the order they were issued
+are the I/O half of invariant 3 (docs/design.md); tests/test_engine_exact.py holds the results to it.
+"""
 
 import threading
 import time

@@ -1,6 +1,10 @@
 """The step trace: compute, reads and writes of every layer, on their own tracks, as JSON and PNG."""
 
+import collections
 import json
+import math
+import time
+import types
 
 import pytest
 
@@ -12,7 +16,7 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-    """A traced run of the engine with every tier on NVMe: (tracer, number of layers, metrics)."""
+    """A traced run of the engine with every tier on NVMe: (tracer, number of layers, metrics, path, detached)."""
     path = tmp_path_factory.mktemp("trace")
     c = config(params="nvme", optimizer="nvme", activations="nvme", recompute="always", nvme_path=str(path / "state"))
     engine = make_engine(c)
@@ -23,9 +27,25 @@ def traced(tmp_path_factory):
         tracer.attach(engine)
         metrics = [engine.train_step(next(data)) for _ in range(STEPS + 1)]  # the last is past max_steps
         tracer.detach()
+        detached = _one_step_attached_then_one_detached(engine, data)
     finally:
         engine.close()
-    return tracer, engine.num_layers, metrics, path
+    return tracer, engine.num_layers, metrics, path, detached
+
+
+def _one_step_attached_then_one_detached(engine, data) -> types.SimpleNamespace:
+    """A tracer without a step limit (only detach() stops it): what it holds after a step it was attached for,
+    and after a step that follows its detach()."""
+    tracer = Tracer()
+    tracer.attach(engine)
+    engine.train_step(next(data))
+    tracer.detach()
+    detached_at = time.perf_counter()
+    before = tracer.events
+    steps_before = tracer.steps
+    metrics = engine.train_step(next(data))
+    return types.SimpleNamespace(tracer=tracer, detached_at=detached_at, before=before, steps_before=steps_before,
+                                 after=tracer.events, metrics=metrics)
 
 
 def _layers(events, kind, track, name=None):
@@ -33,7 +53,7 @@ def _layers(events, kind, track, name=None):
 
 
 def test_every_layer_has_its_compute_reads_and_writes(traced):
-    tracer, L, _, _ = traced
+    tracer, L, *_ = traced
     events = tracer.events
     every = list(range(L))
     for name in ("blocks_fwd", "blocks_bwd", "update_blocks"):
@@ -48,7 +68,7 @@ def test_every_layer_has_its_compute_reads_and_writes(traced):
 
 
 def test_compute_does_not_overlap_itself_and_reads_run_ahead_of_it(traced):
-    tracer, L, _, _ = traced
+    tracer, L, *_ = traced
     compute = [e for e in tracer.events if e.kind == "compute"]
     assert all(a.end <= b.start for a, b in zip(compute, compute[1:], strict=False))
     last = max(e.start for e in tracer.events if e.kind == "step")
@@ -60,7 +80,7 @@ def test_compute_does_not_overlap_itself_and_reads_run_ahead_of_it(traced):
 
 
 def test_trace_json_has_one_named_thread_per_row(traced):
-    tracer, _, _, path = traced
+    tracer, _, _, path, _ = traced
     json_path, png_path = tracer.save(str(path / "trace.json"))
     assert png_path == png_path_for(json_path) == str(path / "trace.png")
     with open(png_path, "rb") as f:
@@ -79,8 +99,22 @@ def test_trace_json_has_one_named_thread_per_row(traced):
 
 
 def test_detach_leaves_the_engine_untraced(traced):
-    tracer, _, metrics, _ = traced
-    assert tracer._engine is None
+    tracer, L, metrics, _, detached = traced
+    kinds = lambda events: collections.Counter(e.kind for e in events)  # noqa: E731
+    # attached, the step is recorded: its bar, every layer's compute, its reads and its writes
+    before = kinds(detached.before)
+    assert detached.steps_before == before["step"] == 1
+    assert before["compute"] >= 3 * L and before["read"] > 0 and before["write"] > 0
+    # detached, the next step (it ran: it has its metrics) records nothing: the step count and the step and
+    # compute bars stay as they were, and no bar of any kind begins after detach(). (A read or write bar of the
+    # attached step may show up late, once its I/O thread stamps its end, so those are told apart by their start.)
+    assert math.isfinite(detached.metrics["loss"]) and detached.metrics["write_bytes_nvme"] > 0
+    after = kinds(detached.after)
+    assert (detached.tracer.steps, after["step"], after["compute"]) == (1, 1, before["compute"]), (
+        f"after detach() the tracer counts {detached.tracer.steps} steps, {after['step']} step bars and "
+        f"{after['compute']} compute bars (before it: 1, 1 and {before['compute']})")
+    late = [e for e in detached.after if e.start >= detached.detached_at]
+    assert not late, f"{len(late)} events recorded after detach(), e.g. {late[:3]}"
     for m in metrics:
         assert {"loss", "stall_s", "compute_s", "overlap", "read_bytes_nvme", "write_bytes_nvme"} <= set(m)
         assert 0.0 <= m["overlap"] <= 1.0
