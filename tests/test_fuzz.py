@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from zinfjax import Config, models
 from zinfjax.checkpoint import CheckpointSource, inspect
 from zinfjax.checkpoint.model import checkpoint_model
-from zinfjax.checkpoint.resume import plan_start
+from zinfjax.checkpoint.resume import choose_start
 from zinfjax.cli import main
 from zinfjax.errors import UserError
 from zinfjax.models import ModelConfig
@@ -131,8 +131,8 @@ def every_reader(save_dir, out) -> None:
     only_user_errors(inspect.info_text, save_dir, as_json=True)
     only_user_errors(inspect.verify_text, save_dir)
     only_user_errors(checkpoint_model, save_dir)
-    only_user_errors(plan_start, Config(save_dir=save_dir, resume=True, **TINY), model)
-    only_user_errors(plan_start, Config(save_dir=save_dir, **TINY), model)
+    only_user_errors(choose_start, Config(save_dir=save_dir, resume=True, **TINY), model)
+    only_user_errors(choose_start, Config(save_dir=save_dir, **TINY), model)
     program, plan = lm_program(models.build(model), Config(**TINY), make_optimizer(Config(**TINY)))
     only_user_errors(CheckpointSource, save_dir, program, plan)
     only_user_errors(inspect.export_params, save_dir, out)
@@ -159,5 +159,5 @@ def test_the_undamaged_checkpoint_passes_every_reader(trained, tmp_path):
     source, _ = trained
     assert inspect.verify_text(str(source))[1]
     assert checkpoint_model(str(source))[1] == ModelConfig.named("gpt2-tiny")
-    assert plan_start(Config(save_dir=str(source), resume=True, **TINY), ModelConfig.named("gpt2-tiny")).step == 1
+    assert choose_start(Config(save_dir=str(source), resume=True, **TINY), ModelConfig.named("gpt2-tiny")).step == 1
     assert inspect.export_params(str(source), str(tmp_path / "out"))["leaves"] > 0

@@ -10,8 +10,8 @@ Steps newer than the one resumed from (the skipped ones, or those after ``STEP``
 and pruning must never weigh another branch's checkpoints against this run's.
 
 Example:
-    >>> plan = plan_start(Config(save_dir="runs/ckpt", resume=True), model_config)
-    >>> plan.step, plan.notes
+    >>> start = choose_start(Config(save_dir="runs/ckpt", resume=True), model_config)
+    >>> start.step, start.notes
     (4, ['skipped step 6: corrupt (params/blocks.fc.kernel: chunk c/2/0/0: crc32c mismatch)', ...])
 """
 
@@ -29,7 +29,7 @@ from zinfjax.checkpoint.verify import Checked, verify_checkpoint
 
 
 @dataclasses.dataclass
-class StartPlan:
+class RunStart:
     """Where a run starts: ``config`` with ``resume`` set to the chosen step (or as it was, with none)."""
 
     config: object  # zinfjax.config.Config
@@ -38,7 +38,7 @@ class StartPlan:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
-def plan_start(config, model_config) -> StartPlan:
+def choose_start(config, model_config) -> RunStart:
     """Checks the save_dir against the run and chooses its checkpoint; see the module docstring.
 
     Raises:
@@ -46,17 +46,17 @@ def plan_start(config, model_config) -> StartPlan:
             saying what to change.
     """
     if not config.save_dir:
-        return StartPlan(config)
+        return RunStart(config)
     if not config.resuming:
         note = identity.check_fresh(config)
-        return StartPlan(config, notes=[note] if note else [])
+        return RunStart(config, notes=[note] if note else [])
     save_dir = os.path.abspath(config.save_dir)
     if config.resume_step is not None:
         step, skipped = _asked(save_dir, config.resume_step), []
     else:
         step, skipped = _newest_complete(save_dir)
     if step is None:
-        return StartPlan(config)
+        return RunStart(config)
     directory = fmt.step_dir(save_dir, step)
     meta = fmt.read_meta(directory)
     notes = [f"skipped {c.describe()}" for c in skipped]
@@ -67,7 +67,7 @@ def plan_start(config, model_config) -> StartPlan:
         aside = identity.set_aside(save_dir, newer, "superseded")
         notes.append(f"moved step{'s' if len(newer) > 1 else ''} {', '.join(map(str, newer))} (newer than step {step}) "
                      f"aside to {aside}, so that this run's checkpoints do not mix with them")
-    return StartPlan(config.replace(resume=step), step, meta.get("run_id"), notes)
+    return RunStart(config.replace(resume=step), step, meta.get("run_id"), notes)
 
 
 def _newest_complete(save_dir: str) -> tuple[int | None, list[Checked]]:
@@ -98,7 +98,7 @@ def _asked(save_dir: str, step: int) -> int:
 
 
 def resume_directory(config) -> str | None:
-    """The checkpoint a resuming `EngineTrainer` restores: the step `plan_start` chose, or the newest verified."""
+    """The checkpoint a resuming `EngineTrainer` restores: the step `choose_start` chose, or the newest verified."""
     if config.resume_step is None:
         step = _newest_complete(os.path.abspath(config.save_dir))[0]
         return None if step is None else fmt.step_dir(os.path.abspath(config.save_dir), step)

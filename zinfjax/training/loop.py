@@ -25,7 +25,7 @@ from zinfjax._util.byte_sizes import format_bytes
 from zinfjax._util.choices import TIER_KEYS
 from zinfjax.checkpoint import CheckpointManager, CheckpointSaveError
 from zinfjax.checkpoint.model import resolve_model
-from zinfjax.checkpoint.resume import plan_start
+from zinfjax.checkpoint.resume import choose_start
 from zinfjax.config import Config
 from zinfjax.data import Batches, check_vocab, load_tokens
 from zinfjax.engine.trace import Tracer
@@ -44,7 +44,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     """Trains for ``config.steps`` steps; writes the JSON log and loss curve when ``config.log`` is set.
 
     Started by `zinfjax launch`, it first joins the other processes (`initialize_from_env`). Before
-    building the model it checks the log path, the data and the save_dir (`plan_start`); a run
+    building the model it checks the log path, the data and the save_dir (`choose_start`); a run
     whose loss stays non-finite, or whose final checkpoint fails, writes its log and raises. The
     log's ``init_s`` is the time from this call to the first step's start (model, state, engine).
     """
@@ -93,7 +93,7 @@ def _prepare(config: Config, main: bool):
     tokens = load_tokens(config.data)
     check_vocab(tokens, model_config.vocab_size, config.data)
     batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
-    start = plan_start(config, model_config)
+    start = choose_start(config, model_config)
     if start.notes and main:
         print("zinfjax: " + "; ".join(start.notes), file=sys.stderr)
     return start.config, model_config, batches, start
