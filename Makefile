@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15 -m "not wide"  # two workers: one per core
 	$(MAKE) --no-print-directory test-portable
 
-# The bf16/fp16 comparisons again, under a second kernel path: XLA's code capped at SSE4.2 sums in another order
+# The bf16/fp16 tolerances again, under a second kernel path: XLA's code capped at SSE4.2 sums in another order
 # than the AVX-512 code it makes on these machines, as another CPU would (docs/engine.md, "Exactness"). That
 # code cannot convert fp16 (XLA's JIT fails to find the conversion without F16C): fp16 runs on the default path alone.
 test-portable: $(STAMP)

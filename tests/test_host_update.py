@@ -32,8 +32,7 @@ CASES = {  # name: config keys; each tier of the optimizer state, stage 3, sweep
 SHORT = 3  # steps: bitwise equal after 3 is bitwise equal after any number
 
 
-@pytest.mark.parametrize("case", [pytest.param(k, marks=pytest.mark.low_precision) if CASES[k].get("precision")
-                                  else k for k in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_the_update_on_the_host_is_bitwise_the_update_on_the_device(tmp_path, case):
     c = config(**CASES[case], nvme_path=str(tmp_path / "nvme"))
     dev_losses, dev_params, _ = engine_run(c.replace(update_on="device"), steps=SHORT)
