@@ -25,7 +25,7 @@ from tests.engine_helpers import assert_bitwise, batches, config, make_engine, r
 from tests.support.tolerances import assert_no_farther, loss_distance
 from zinfjax import models
 from zinfjax.checkpoint import CheckpointManager, CheckpointSource
-from zinfjax.engine.engine import LossScale
+from zinfjax.engine import LossScale
 from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.vocabulary import COMPUTE_DTYPES
 

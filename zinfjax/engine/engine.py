@@ -45,6 +45,7 @@ from zinfjax.engine.budget import (
     memory_capped,
     plan_budget,
 )
+from zinfjax.engine.loss_scale import LossScale
 from zinfjax.engine.parts import Part, update_parts
 from zinfjax.engine.placement import Placement
 from zinfjax.engine.readahead import Read, ReadAhead
@@ -64,27 +65,6 @@ from zinfjax.vocabulary import COMPUTE_DTYPES
 
 class BatchError(UserError):
     """A batch that does not match what the state was wrapped for."""
-
-
-class LossScale:
-    """Dynamic fp16 loss scaling with DeepSpeed's defaults: skip and halve on overflow, double after 1000."""
-
-    def __init__(self, enabled: bool, initial: float = 2.0**16, window: int = 1000, minimum: float = 1.0):
-        self.enabled, self.scale, self.window, self.minimum, self.good = enabled, initial, window, minimum, 0
-
-    @property
-    def value(self) -> float:
-        return self.scale if self.enabled else 1.0
-
-    def after_step(self, finite: bool) -> None:
-        if not self.enabled:
-            return
-        if not finite:
-            self.scale, self.good = max(self.scale / 2, self.minimum), 0
-            return
-        self.good += 1
-        if self.good >= self.window:
-            self.scale, self.good = self.scale * 2, 0
 
 
 @functools.lru_cache(maxsize=4)
