@@ -29,7 +29,7 @@ from zinfjax.checkpoint.resume import plan_start, resume_directory
 from zinfjax.config import Config
 from zinfjax.data import Batches, check_vocab, load_tokens
 from zinfjax.distributed import initialize_from_env, is_main_process, process_nvme_path
-from zinfjax.engine.engine import Engine, update_plan
+from zinfjax.engine import Engine, update_plan
 from zinfjax.engine.trace import Tracer
 from zinfjax.errors import ConfigError, UserError
 from zinfjax.in_memory import init_state, make_step

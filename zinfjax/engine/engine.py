@@ -45,19 +45,18 @@ from zinfjax.engine.budget import (
     memory_capped,
     plan_budget,
 )
+from zinfjax.engine.compile_cache import compiled
 from zinfjax.engine.loss_scale import LossScale
 from zinfjax.engine.parts import Part, update_parts
 from zinfjax.engine.placement import Placement
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.engine.store_plan import acts_spec, budget_needs, build_stores, dir_name, plan_stores, slice_bytes
 from zinfjax.engine.telemetry import StepTelemetry
-from zinfjax.engine.units import Units
 from zinfjax.errors import UserError
 from zinfjax.program import jaxpr as jx
 from zinfjax.program.optimizer import UpdatePlan, combine_partials
 from zinfjax.program.residuals import differentiable, residual_bytes, zero_cotangent
 from zinfjax.program.split import Program, unslice
-from zinfjax.program.stages import StageFunctions
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
 from zinfjax.store.layout import HOST_KINDS, host_tier_kind
 from zinfjax.vocabulary import COMPUTE_DTYPES
@@ -65,16 +64,6 @@ from zinfjax.vocabulary import COMPUTE_DTYPES
 
 class BatchError(UserError):
     """A batch that does not match what the state was wrapped for."""
-
-
-@functools.lru_cache(maxsize=4)
-def compiled(program: Program, tx: optax.GradientTransformation, rules: ShardingRules, mesh: Mesh, compute_dtype,
-             micro: int = 1, on_host: bool = False, params_kind: str = "device", host_kind: str = "pinned_host"):
-    """The placement, stage functions, update plan and unit functions of one layout (shared by its engines)."""
-    placement = Placement(program, rules, mesh)
-    plan = update_plan(tx, program)
-    units = Units(program, plan, compute_dtype, placement, on_host, params_kind, host_kind)
-    return placement, StageFunctions(program, placement, micro), plan, units
 
 
 def update_location(config: Config, mesh: Mesh) -> str:
@@ -92,12 +81,6 @@ def update_location(config: Config, mesh: Mesh) -> str:
         return config.update_on
     accelerator = mesh.devices.flat[0].platform != "cpu"
     return "host" if accelerator and config.optimizer != "device" else "device"
-
-
-@functools.lru_cache(maxsize=4)
-def update_plan(tx: optax.GradientTransformation, program: Program) -> UpdatePlan:
-    """``tx`` cut into per-unit functions for ``program`` (see `UpdatePlan`), shared by the engines of both."""
-    return UpdatePlan(tx, program)
 
 
 @dataclasses.dataclass(eq=False)
@@ -131,9 +114,10 @@ class Engine:
         # The host tier's memory kind, and why it is not pinned_host (recorded in the log): `host_tier_kind`.
         self.host_kind, self.host_kind_fallback = host_tier_kind(mesh.devices.flat[0], self.on_host)
         params_kind = self.host_kind if self.on_host and config.params != "device" else "device"
-        self.placement, self.stage_fns, self.plan, self.units = compiled(
-            program, tx, self.rules, mesh, self.compute_dtype, config.grad_accum, self.on_host, params_kind,
-            self.host_kind)
+        layout = compiled(program, tx, self.rules, mesh, self.compute_dtype, config.grad_accum, self.on_host,
+                          params_kind, self.host_kind)
+        self.placement, self.stage_fns = layout.placement, layout.stage_fns
+        self.plan, self.units = layout.plan, layout.units
         self.loss_scale = LossScale(config.precision == "fp16")
         self.spools_gradients = self.plan.sweeps > 1 or config.precision == "fp16"
         self.micro = config.grad_accum
