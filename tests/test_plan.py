@@ -8,11 +8,11 @@ import pytest
 from zinfjax import models, rss
 from zinfjax.cli import main
 from zinfjax.config import TIER_KEYS, Config
-from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.engine.memory import zero_formula
 from zinfjax.plan import NOMINAL, PlanError, make_plan, parameter_count, state_parts, traffic
 from zinfjax.sharding import make_mesh
 from zinfjax.train import lm_engine, run
+from zinfjax.vocabulary import COMPUTE_DTYPES
 
 BASE = ["model=gpt2-tiny", "mesh=data:1", "batch_size=2", "seq_len=32"]
 

@@ -9,8 +9,7 @@ from tests.engine_helpers import assert_bitwise, batches, config, engine_run, ma
 from zinfjax import Config
 from zinfjax.engine import BatchError, reuse
 from zinfjax.engine.budget import LIVE_BASE, MemoryBudgetError, minimum_bytes
-from zinfjax.engine.engine import store_specs
-from zinfjax.engine.store_plan import budget_needs, slice_bytes
+from zinfjax.engine.store_plan import budget_needs, slice_bytes, store_specs
 from zinfjax.errors import ConfigError
 
 

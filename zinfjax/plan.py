@@ -61,11 +61,11 @@ from zinfjax import rss
 from zinfjax.byte_sizes import format_bytes
 from zinfjax.config import Config
 from zinfjax.engine.budget import COMPILE_RESERVE, LIVE_BASE, default_limit, minimum_bytes
-from zinfjax.engine.store_plan import StoreSpec, budget_needs
+from zinfjax.engine.store_plan import StoreSpec, budget_needs, spools_gradients, store_specs
 from zinfjax.errors import UserError
 from zinfjax.store.disk import prepare_directory
 from zinfjax.store.layout import host_tier_kind
-from zinfjax.vocabulary import TIER_KEYS, TIERS
+from zinfjax.vocabulary import COMPUTE_DTYPES, TIER_KEYS, TIERS
 
 MiB = 1 << 20
 PROBE_BYTES = 256 * MiB  # the disk probe: 64 MiB swung 2x from run to run on the benchmark machine
@@ -92,7 +92,6 @@ def _specs(config: Config, model_config) -> tuple[list, dict]:
     and the groups it updates in parts (`zinfjax.engine.parts`)."""
     from zinfjax import models
     from zinfjax.engine import compiled
-    from zinfjax.engine.engine import COMPUTE_DTYPES, store_specs
     from zinfjax.engine.parts import update_parts
     from zinfjax.optim import make_optimizer
     from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, make_mesh
@@ -107,7 +106,7 @@ def _specs(config: Config, model_config) -> tuple[list, dict]:
     layout = compiled(program, tx, rules, mesh, compute, config.grad_accum)
     plan = layout.plan
     specs, acts = store_specs(config, program, plan, layout.placement, compute)
-    cut = update_parts(program, plan, specs, plan.sweeps > 1 or config.precision == "fp16")
+    cut = update_parts(program, plan, specs, spools_gradients(config, plan))
     return [(s.kind, s.group, s.like) for s in specs] + [("acts", s.group, s.like) for s in acts.values()], cut
 
 
@@ -263,7 +262,6 @@ def _batch(config: Config, vocab: int):
 def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAYERS, tier: str = "device") -> dict:
     """Times the engine with every tier on ``tier`` on a few layers; counts each store's reads and writes per byte."""
     from zinfjax import models
-    from zinfjax.engine.engine import COMPUTE_DTYPES
     from zinfjax.sharding import make_mesh
     from zinfjax.train import lm_engine
 
@@ -323,7 +321,6 @@ def calibrate_nvme(config: Config, model_config, layers: int) -> dict:
 def calibrate_reference(config: Config, model_config, layers: int = CALIBRATION_LAYERS) -> float:
     """Median step time of the in-memory reference trainer (every tier on device, stage 0) on a few layers."""
     from zinfjax import models
-    from zinfjax.engine.engine import COMPUTE_DTYPES
     from zinfjax.sharding import make_mesh
     from zinfjax.train import ReferenceTrainer
 

@@ -29,8 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from zinfjax import allocator
 from zinfjax.byte_sizes import format_bytes
@@ -48,13 +47,20 @@ from zinfjax.engine.budget import (
 from zinfjax.engine.compile_cache import compiled
 from zinfjax.engine.loss_scale import LossScale
 from zinfjax.engine.parts import Part, update_parts
-from zinfjax.engine.placement import Placement
 from zinfjax.engine.readahead import Read, ReadAhead
-from zinfjax.engine.store_plan import acts_spec, budget_needs, build_stores, dir_name, plan_stores, slice_bytes
+from zinfjax.engine.store_plan import (
+    budget_needs,
+    build_stores,
+    dir_name,
+    slice_bytes,
+    spools_gradients,
+    store_specs,
+    tied_groups,
+)
 from zinfjax.engine.telemetry import StepTelemetry
 from zinfjax.errors import UserError
 from zinfjax.program import jaxpr as jx
-from zinfjax.program.optimizer import UpdatePlan, combine_partials
+from zinfjax.program.optimizer import combine_partials
 from zinfjax.program.residuals import differentiable, residual_bytes, zero_cotangent
 from zinfjax.program.split import Program, unslice
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
@@ -119,7 +125,7 @@ class Engine:
         self.placement, self.stage_fns = layout.placement, layout.stage_fns
         self.plan, self.units = layout.plan, layout.units
         self.loss_scale = LossScale(config.precision == "fp16")
-        self.spools_gradients = self.plan.sweeps > 1 or config.precision == "fp16"
+        self.spools_gradients = spools_gradients(config, self.plan)
         self.micro = config.grad_accum
         self._check_micro_batch()
         self._tied = self._tied_groups()
@@ -977,26 +983,6 @@ def wait_for(outputs) -> None:
             x.block_until_ready()
 
 
-def tied_groups(program: Program) -> dict[str, int]:
-    """Streamed groups whose leaves other scans also stream: how many scans contribute to their gradients."""
-    out: dict[str, int] = {}
-    for scan in program.scans():
-        for k in scan.streams:
-            group = program.groups[program.leaves[k].group]
-            if group.position != scan.position:
-                out[group.name] = out.get(group.name, 0) + 1
-    return out
-
-
-def store_specs(config: Config, program: Program, plan: UpdatePlan, placement: Placement, compute_dtype):
-    """Every store of an engine before it opens them: the state's `StoreSpec` list and the activations' by scan."""
-    spool = plan.sweeps > 1 or config.precision == "fp16"
-    spooled = set(program.groups) if spool else set(tied_groups(program))
-    specs = plan_stores(config, program, plan, placement, compute_dtype, spooled)
-    acts = {s.position: acts_spec(config, s, placement, config.grad_accum) for s in program.scans()}
-    return specs, acts
-
-
 def track(kind: str, group: str) -> str:
     """The telemetry track of a store: ``params_blocks``, ``opt_embed.wte.embedding``."""
     return f"{kind}_{dir_name(group)}"
@@ -1010,7 +996,3 @@ def label(program: Program, stage) -> str:
             return dir_name(owned[0].name)
     return f"stage{stage.position}"
 
-
-def data_sharding(mesh: Mesh) -> NamedSharding:
-    """Micro-batched leaves ``(A, rows, ...)``: rows split over ``data``."""
-    return NamedSharding(mesh, P(None, "data"))
