@@ -137,9 +137,9 @@ def test_the_log_records_where_the_update_ran_and_the_host_memory_kind(tmp_path)
 
 
 def test_auto_updates_on_the_device_on_the_cpu_backend_and_host_is_refused_without_host_state():
-    mesh = make_mesh({"data": 1})
-    assert update_location(Config(optimizer="host"), mesh) == "device"
-    assert update_location(Config(optimizer="nvme", nvme_path="/x", update_on="host"), mesh) == "host"
+    platform = make_mesh({"data": 1}).devices.flat[0].platform
+    assert update_location(Config(optimizer="host"), platform) == "device"
+    assert update_location(Config(optimizer="nvme", nvme_path="/x", update_on="host"), platform) == "host"
     with pytest.raises(ConfigError, match="update_on=host .* needs optimizer=host or nvme"):
         Config(update_on="host")
     with pytest.raises(ConfigError, match="update_on='gpu' is not allowed; use auto, device, host"):

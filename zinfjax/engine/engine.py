@@ -72,7 +72,7 @@ class BatchError(UserError):
     """A batch that does not match what the state was wrapped for."""
 
 
-def update_location(config: Config, mesh: Mesh) -> str:
+def update_location(config: Config, platform: str) -> str:
     """Where the optimizer update runs: ``device`` or ``host`` (``update_on``; docs/engine.md).
 
     ``auto`` runs it on the host when the optimizer state is on host or NVMe and the compute devices
@@ -80,13 +80,12 @@ def update_location(config: Config, mesh: Mesh) -> str:
     are one memory and one processor, so ``auto`` keeps it on the device, which costs no copies.
 
     Example:
-        >>> update_location(Config(optimizer="host", update_on="host"), mesh)  # doctest: +SKIP
+        >>> update_location(Config(optimizer="nvme", nvme_path="/x", update_on="auto"), "gpu")
         'host'
     """
     if config.update_on != "auto":
         return config.update_on
-    accelerator = mesh.devices.flat[0].platform != "cpu"
-    return "host" if accelerator and config.optimizer != "device" else "device"
+    return "host" if platform != "cpu" and config.optimizer != "device" else "device"
 
 
 @dataclasses.dataclass(eq=False)
@@ -115,7 +114,8 @@ class Engine:
         self.program, self.config, self.mesh, self.tx = program, config, mesh, tx
         self.compute_dtype = COMPUTE_DTYPES[config.precision]
         self.rules = ShardingRules.for_mesh(mesh, config.stage, tp_rules, threshold)
-        self.update_on = update_location(config, mesh)
+        self.platform = mesh.devices.flat[0].platform  # "cpu", "gpu", "tpu"
+        self.update_on = update_location(config, self.platform)
         self.on_host = self.update_on == "host"
         # The host tier's memory kind, and why it is not pinned_host (recorded in the log): `host_tier_kind`.
         self.host_kind, self.host_kind_fallback = host_tier_kind(mesh.devices.flat[0], self.on_host)
@@ -180,7 +180,7 @@ class Engine:
         operations cost less CPU time. A lean or refused budget takes the parts (`zinfjax.engine.parts`),
         whose largest operation reads less; ``sub_group_size`` cuts them as asked, whatever the budget.
         """
-        platform = self.mesh.devices.flat[0].platform
+        platform = self.platform
         parts = update_parts(self.program, self.plan, specs, self.spools_gradients, self.config.sub_group_size)
         if parts and not self.config.sub_group_size:
             whole = budget_needs(specs, acts, platform)
@@ -200,7 +200,7 @@ class Engine:
         ``auto`` keeps them when the budget holds them as well and stays roomy: on the CPU backend they
         count against the host budget; on an accelerator they must fit in half its free memory.
         """
-        mode, cpu = self.config.recompute, self.mesh.devices.flat[0].platform == "cpu"
+        mode, cpu = self.config.recompute, self.platform == "cpu"
         if mode == "always" or (mode == "auto" and not cpu and not fits_device(self.residual_bytes)):
             return plan_budget(self.config, read, write, resident), False
         if not cpu:
@@ -231,7 +231,7 @@ class Engine:
                                 self._reuse_saves_a_read(specs))
             return frozenset(c.key for c in kept), base
         kept = reuse.choose(found, limit)
-        if not kept or self.mesh.devices.flat[0].platform != "cpu":  # on an accelerator they are in device memory
+        if not kept or self.platform != "cpu":  # on an accelerator they are in device memory
             return frozenset(c.key for c in kept), base
         read, write, resident = needs
         held = resident + (self.residual_bytes if self.saves_residuals else 0)
@@ -263,7 +263,7 @@ class Engine:
     def _reads_cost(self, specs) -> set:
         """The groups whose compute copy costs a transfer to read: on NVMe, or in host memory beside an
         accelerator (on the CPU backend a host-tier read copies nothing)."""
-        cpu = self.mesh.devices.flat[0].platform == "cpu"
+        cpu = self.platform == "cpu"
         return {s.group for s in specs if s.kind == "params" and (s.tier == "nvme" or (s.tier == "host" and not cpu))}
 
     def _reuse_saves_a_read(self, specs):
