@@ -75,7 +75,7 @@ def test_a_negative_distance_is_refused():
 
 
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.low_precision)])
-def test_unset_keeps_the_head_and_carries_the_first_layers_bitwise_the_run_that_keeps_none(tmp_path, precision):
+def test_unset_keeps_the_head_and_hands_the_first_layers_over_bitwise_the_run_that_keeps_none(tmp_path, precision):
     """gpt2-tiny's program is gpt2-small's: embedding chunks, wpe, blocks, ln_f, the tied head's chunks, loss."""
     c = config(stage=3, precision=precision, params="nvme", optimizer="nvme", nvme_path=str(tmp_path / "nvme"))
     assert c.max_reuse_distance is None
@@ -87,7 +87,7 @@ def test_unset_keeps_the_head_and_carries_the_first_layers_bitwise_the_run_that_
     try:
         specs, program = _specs(engine), engine.program
         found = {x.key: x for x in reuse.candidates(program, specs)}
-        kept, carry = sorted(engine.reuse), engine.carry
+        kept, handoff = sorted(engine.reuse), engine.handoff
         sizes = {(s.kind, s.group): slice_bytes(s) for s in specs}
     finally:
         engine.close()
@@ -102,11 +102,11 @@ def test_unset_keeps_the_head_and_carries_the_first_layers_bitwise_the_run_that_
     # them first: their new compute copies go straight to it. The second block's would sit beside the
     # first's backward.
     group = {s: next(iter({program.leaves[k].group for k in s.streams})) for s in (embedding, blocks)}
-    assert {(group[embedding], i) for i in embedding.order()} | {(group[blocks], 0)} == carry
-    carried = sum(sizes[("params", g)] for g, _ in carry)
+    assert {(group[embedding], i) for i in embedding.order()} | {(group[blocks], 0)} == handoff
+    handed = sum(sizes[("params", g)] for g, _ in handoff)
     for n, (m, off) in enumerate(zip(metrics, off_metrics, strict=True)):
         assert off["read_bytes_nvme"] - m["read_bytes_nvme"] == sum(found[k].nbytes for k in kept) + (
-            carried if n else 0)  # the first step has nothing carried yet
+            handed if n else 0)  # the first step has nothing handed over yet
     # What is kept never sits beside more than the largest operation takes (LIVE_BASE of its reads).
     steps = reuse.timeline(program, sizes)
     largest = LIVE_BASE * max(r for _, r in steps)
@@ -132,7 +132,7 @@ def test_unset_keeps_nothing_whose_backward_reads_nothing_again(tmp_path, kw):
     assert kept == (frozenset() if kw["params"] == "host" else {(head.position, i) for i in head.order()})
 
 
-def test_a_failed_step_drops_what_it_carried_and_the_next_reads_it_bitwise(tmp_path):
+def test_a_failed_step_drops_what_it_handed_over_and_the_next_reads_it_bitwise(tmp_path):
     c = config(stage=3, params="nvme", optimizer="nvme", nvme_path=str(tmp_path / "nvme"))
     off_losses, off_params, _ = engine_run(c.replace(max_reuse_distance=0), steps=4)
     engine = make_engine(c)
@@ -143,7 +143,7 @@ def test_a_failed_step_drops_what_it_carried_and_the_next_reads_it_bitwise(tmp_p
                 bad = next(batches(c))[:, :-1]  # a token short
                 with pytest.raises(BatchError, match="this state was wrapped for"):
                     engine.train_step(bad)
-                assert not any(engine.carried.has(key) for key in engine.carry)
+                assert not any(engine.handed_over.has(key) for key in engine.handoff)
             m = engine.train_step(next(data))
             losses.append(m["loss"])
             reads.append(m["read_bytes_nvme"])
@@ -152,4 +152,4 @@ def test_a_failed_step_drops_what_it_carried_and_the_next_reads_it_bitwise(tmp_p
         engine.close()
     assert losses == off_losses
     assert_bitwise(off_params, params)
-    assert engine.carry and reads[2] > reads[1] == reads[3]  # after the failure, the carried layers read again
+    assert engine.handoff and reads[2] > reads[1] == reads[3]  # after the failure, the handed-over layers read again

@@ -201,7 +201,9 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
         log["recompute"] = not trainer.engine.saves_residuals  # whether each backward reruns its forward
         log["residual_bytes_bound"] = trainer.engine.residual_bytes  # what recompute=auto counted them at, at most
         log["reused_layers"] = len(trainer.engine.reuse)  # layers whose parameters the backward took from the forward
-        log["carried_layers"] = len(trainer.engine.carry)  # layers whose update handed the next forward its copy
+        # Layers whose update handed the next forward its copy (`Engine.handoff`); the key keeps its first name,
+        # "carried", so that logs stay comparable.
+        log["carried_layers"] = len(trainer.engine.handoff)
         log["staging_memory"] = trainer.engine.stores.pool.stats()["memory"]  # NVMe staging: pinned_host or pageable
         if trainer.engine.host_kind_fallback:
             log["host_memory_fallback"] = trainer.engine.host_kind_fallback

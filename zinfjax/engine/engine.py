@@ -133,8 +133,8 @@ class Engine:
         self.residual_bytes = self._residual_bytes()
         self.parts, self.budget, needs, self.saves_residuals = self._plan_memory(specs, list(acts.values()))
         self.reuse, self.budget = self._plan_reuse(specs, needs)
-        self.carry = self._plan_carry(specs)
-        self.carried = reuse.Held()  # the compute copies the last step's updates handed to the next forward
+        self.handoff = self._plan_handoff(specs)  # not "carry": that is a scan's loop carry
+        self.handed_over = reuse.Held()  # the compute copies the last step's updates handed to the next forward
         read = needs[0]
         # While the state is written at the start, no step holds its operations' memory: writes may use it.
         self._write_bound = self.budget.write_bytes_in_flight + LIVE_BASE * read
@@ -244,14 +244,14 @@ class Engine:
                 f"than the memory budget of {format_bytes(base.limit)} ({base.source}) holds; lower it") from None
         return frozenset(c.key for c in kept), plan
 
-    def _plan_carry(self, specs) -> frozenset:
+    def _plan_handoff(self, specs) -> frozenset:
         """The ``(group, unit)`` whose update hands its new compute copy to the next step's forward
-        (`reuse.carried`), when ``max_reuse_distance`` is unset: those whose forward read costs a transfer,
+        (`reuse.handed_over`), when ``max_reuse_distance`` is unset: those whose forward read costs a transfer,
         updated whole in the backward (not in sweeps, not in parts) on the device."""
         if self.config.max_reuse_distance is not None or self.spools_gradients or self.on_host:
             return frozenset()
         costly = self._reads_cost(specs)
-        kept = reuse.carried(self.program, _slice_sizes(specs), LIVE_BASE,
+        kept = reuse.handed_over(self.program, _slice_sizes(specs), LIVE_BASE,
                              lambda key: all(g in costly and g not in self.parts for g in self._streamed(key[0])))
         return frozenset((g, c.key[1]) for c in kept for g in self._streamed(c.key[0]))
 
@@ -349,7 +349,7 @@ class Engine:
             loss = float(jnp.mean(step.loss))
             self.stores.flush()
         except BaseException:
-            self.carried = reuse.Held()  # what a failed step kept may never have landed: the next one reads
+            self.handed_over = reuse.Held()  # what a failed step kept may never have landed: the next one reads
             raise
         self.step_count += 0 if skipped else 1
         crash_marker.end(self.config)
@@ -461,7 +461,7 @@ class Engine:
         return jax.tree_util.tree_unflatten(self.plan.state_tree, flat)
 
     def close(self) -> None:
-        self.carried = reuse.Held()
+        self.handed_over = reuse.Held()
         self.stores.close()
 
 
@@ -576,9 +576,9 @@ class _Step:
         acts = self.e.stores.acts[stage.position]
         for i in stage.order():
             s_groups, s_reads = self._param_reads(stage.streams, i)
-            carried = self.e.carried  # the owner's forward is the first use of what the last step updated
-            s_reads = [Read(r.track, carried.slot((g, i), 0), i)
-                       if carried.has((g, i)) and self.p.groups[g].position == stage.position else r
+            handed = self.e.handed_over  # the owner's forward is the first use of what the last step updated
+            s_reads = [Read(r.track, handed.slot((g, i), 0), i)
+                       if handed.has((g, i)) and self.p.groups[g].position == stage.position else r
                        for g, r in zip(s_groups, s_reads, strict=True)]
 
             def run(trees, i=i, s_groups=s_groups):
@@ -881,8 +881,8 @@ class _Step:
             return
         paths, state_paths = e.units.paths(group, leaves)
         keys, host = part and part.params, e.on_host
-        if (group, i) in e.carry:  # the next step's forward reads it first (`Engine._plan_carry`)
-            e.carried.keep((group, i), [dict(zip(paths, compute, strict=True))])
+        if (group, i) in e.handoff:  # the next step's forward reads it first (`Engine._plan_handoff`)
+            e.handed_over.keep((group, i), [dict(zip(paths, compute, strict=True))])
         e._write(track("params", group), self._store("params", group), i, dict(zip(paths, compute, strict=True)),
                  keys, from_host=host)
         if e.stores.master:
