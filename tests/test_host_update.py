@@ -16,7 +16,7 @@ import pytest
 
 from tests.engine_helpers import assert_bitwise, batches, config, engine_run, make_engine, reference_run, relative_error
 from zinfjax import Config
-from zinfjax.engine.engine import update_location
+from zinfjax.engine.engine_plan import update_location
 from zinfjax.errors import ConfigError
 from zinfjax.sharding import make_mesh
 from zinfjax.store.layout import host_tier_kind, pick_host_kind

@@ -9,6 +9,7 @@ from tests.engine_helpers import assert_bitwise, batches, config, engine_run, ma
 from zinfjax import Config
 from zinfjax.engine import BatchError, reuse
 from zinfjax.engine.budget import LIVE_BASE, MemoryBudgetError, minimum_bytes
+from zinfjax.engine.engine_plan import EnginePlan, PlanInputs, plan_reuse
 from zinfjax.engine.store_plan import budget_needs, slice_bytes, store_specs
 from zinfjax.errors import ConfigError
 
@@ -58,15 +59,21 @@ def test_a_distance_the_budget_cannot_hold_is_refused_in_one_line():
         needs = budget_needs(specs, list(acts.values()), "cpu")
         least = minimum_bytes(engine.budget.baseline, needs[2], needs[0], needs[1])
         every = sum(c.nbytes for c in reuse.candidates(engine.program, specs))
-        engine.config = engine.config.replace(max_reuse_distance=10**9, memory_limit=least + every // 2)
+        memory = EnginePlan(engine.parts, engine.budget, needs, engine.saves_residuals)
+
+        def inputs(**changes) -> PlanInputs:
+            return PlanInputs(engine.config.replace(**changes), engine.program, engine.plan, specs,
+                              list(acts.values()), "cpu", engine.residual_bytes, engine.spools_gradients,
+                              engine.on_host)
+
         with pytest.raises(MemoryBudgetError, match=r"max_reuse_distance=1000000000 keeps \d+ layers' parameters") as e:
-            engine._plan_reuse(specs, needs)
-        engine.config = engine.config.replace(memory_limit=least + 4 * every)
-        kept, plan = engine._plan_reuse(specs, needs)
+            plan_reuse(inputs(max_reuse_distance=10**9, memory_limit=least + every // 2), memory)
+        planned = plan_reuse(inputs(max_reuse_distance=10**9, memory_limit=least + 4 * every), memory)
     finally:
         engine.close()
     assert "\n" not in str(e.value)
-    assert len(kept) == len(reuse.candidates(engine.program, specs)) and plan.limit == least + 4 * every
+    assert len(planned.reuse) == len(reuse.candidates(engine.program, specs))
+    assert planned.budget.limit == least + 4 * every
 
 
 def test_a_negative_distance_is_refused():

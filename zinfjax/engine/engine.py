@@ -32,27 +32,21 @@ import optax
 from jax.sharding import Mesh
 
 from zinfjax import allocator
-from zinfjax.byte_sizes import format_bytes
 from zinfjax.config import Config
 from zinfjax.engine import crash_marker, reuse
 from zinfjax.engine.budget import (
     LIVE_BASE,
     NVME_MMAP_THRESHOLD,
-    BudgetPlan,
-    MemoryBudgetError,
-    fits_device,
     memory_capped,
-    plan_budget,
 )
 from zinfjax.engine.compile_cache import compiled
+from zinfjax.engine.engine_plan import PlanInputs, plan_engine, update_location
 from zinfjax.engine.loss_scale import LossScale
-from zinfjax.engine.parts import Part, update_parts
+from zinfjax.engine.parts import Part
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.engine.store_plan import (
-    budget_needs,
     build_stores,
     dir_name,
-    slice_bytes,
     spools_gradients,
     store_specs,
     tied_groups,
@@ -70,22 +64,6 @@ from zinfjax.vocabulary import COMPUTE_DTYPES
 
 class BatchError(UserError):
     """A batch that does not match what the state was wrapped for."""
-
-
-def update_location(config: Config, platform: str) -> str:
-    """Where the optimizer update runs: ``device`` or ``host`` (``update_on``; docs/engine.md).
-
-    ``auto`` runs it on the host when the optimizer state is on host or NVMe and the compute devices
-    are accelerators: the state then never crosses the host link. On the CPU backend host and device
-    are one memory and one processor, so ``auto`` keeps it on the device, which costs no copies.
-
-    Example:
-        >>> update_location(Config(optimizer="nvme", nvme_path="/x", update_on="auto"), "gpu")
-        'host'
-    """
-    if config.update_on != "auto":
-        return config.update_on
-    return "host" if platform != "cpu" and config.optimizer != "device" else "device"
 
 
 @dataclasses.dataclass(eq=False)
@@ -131,11 +109,13 @@ class Engine:
         self._tied = self._tied_groups()
         specs, acts = store_specs(config, program, self.plan, self.placement, self.compute_dtype)
         self.residual_bytes = self._residual_bytes()
-        self.parts, self.budget, needs, self.saves_residuals = self._plan_memory(specs, list(acts.values()))
-        self.reuse, self.budget = self._plan_reuse(specs, needs)
-        self.handoff = self._plan_handoff(specs)  # not "carry": that is a scan's loop carry
+        planned = plan_engine(PlanInputs(config, program, self.plan, specs, list(acts.values()), self.platform,
+                                         self.residual_bytes, self.spools_gradients, self.on_host))
+        self.parts, self.budget, self.saves_residuals = planned.parts, planned.budget, planned.saves_residuals
+        self.reuse = planned.reuse
+        self.handoff = planned.handoff  # not "carry": that is a scan's loop carry
         self.handed_over = reuse.Held()  # the compute copies the last step's updates handed to the next forward
-        read = needs[0]
+        read = planned.needs[0]
         # While the state is written at the start, no step holds its operations' memory: writes may use it.
         self._write_bound = self.budget.write_bytes_in_flight + LIVE_BASE * read
         self.capped = config.uses_nvme and memory_capped(config, self.budget)
@@ -171,117 +151,6 @@ class Engine:
         batch's rows split over the data axis."""
         total = residual_bytes(self.program, self.micro)
         return total * len(self.mesh.local_devices) // self.mesh.shape["data"]
-
-    def _plan_memory(self, specs, acts) -> tuple[dict, BudgetPlan, tuple, bool]:
-        """The update parts, the memory budget's plan, its needs (`budget_needs`), and whether the
-        backward keeps the forward's residuals instead of recomputing it (`_plan`).
-
-        Layers are updated whole while the budget holds that with room (a roomy budget): fewer
-        operations cost less CPU time. A lean or refused budget takes the parts (`zinfjax.engine.parts`),
-        whose largest operation reads less; ``sub_group_size`` cuts them as asked, whatever the budget.
-        """
-        platform = self.platform
-        parts = update_parts(self.program, self.plan, specs, self.spools_gradients, self.config.sub_group_size)
-        if parts and not self.config.sub_group_size:
-            whole = budget_needs(specs, acts, platform)
-            try:
-                plan, saves = self._plan(*whole)
-            except MemoryBudgetError:
-                plan = None
-            if plan is not None and not plan.lean:
-                return {}, plan, whole, saves
-        needs = budget_needs(specs, acts, platform, parts)
-        plan, saves = self._plan(*needs)
-        return parts, plan, needs, saves
-
-    def _plan(self, read: int, write: int, resident: int) -> tuple[BudgetPlan, bool]:
-        """The budget's plan, and whether the residuals are kept (``recompute``; docs/engine.md, "Recomputation").
-
-        ``auto`` keeps them when the budget holds them as well and stays roomy: on the CPU backend they
-        count against the host budget; on an accelerator they must fit in half its free memory.
-        """
-        mode, cpu = self.config.recompute, self.platform == "cpu"
-        if mode == "always" or (mode == "auto" and not cpu and not fits_device(self.residual_bytes)):
-            return plan_budget(self.config, read, write, resident), False
-        if not cpu:
-            return plan_budget(self.config, read, write, resident), True
-        try:
-            plan = plan_budget(self.config, read, write, resident + self.residual_bytes)
-        except MemoryBudgetError as e:
-            if mode == "never":
-                raise MemoryBudgetError(f"{e}; recompute=never keeps {format_bytes(self.residual_bytes)} of "
-                                        "residuals (recompute=auto or always holds none)") from None
-            return plan_budget(self.config, read, write, resident), False
-        if mode == "never" or not plan.lean:
-            return plan, True
-        return plan_budget(self.config, read, write, resident), False
-
-    def _plan_reuse(self, specs, needs: tuple) -> tuple[frozenset, BudgetPlan]:
-        """The scan iterations whose parameters the backward takes from the forward (`zinfjax.engine.reuse`),
-        and the budget's plan holding them too.
-
-        Unset, ``max_reuse_distance`` keeps those that fit beside the operations between their two uses in
-        what the largest operation holds anyway (`reuse.within`), so the budget is unchanged. Set, it keeps
-        those within that distance, as held state; refused in one line if the budget cannot hold them.
-        """
-        limit, base = self.config.max_reuse_distance, self.budget
-        found = reuse.candidates(self.program, specs)
-        if limit is None:
-            kept = reuse.within(found, reuse.timeline(self.program, _slice_sizes(specs)), LIVE_BASE,
-                                self._reuse_saves_a_read(specs))
-            return frozenset(c.key for c in kept), base
-        kept = reuse.choose(found, limit)
-        if not kept or self.platform != "cpu":  # on an accelerator they are in device memory
-            return frozenset(c.key for c in kept), base
-        read, write, resident = needs
-        held = resident + (self.residual_bytes if self.saves_residuals else 0)
-        nbytes = sum(c.nbytes for c in kept)
-        try:
-            plan = plan_budget(self.config, read, write, held + nbytes, baseline=base.baseline)
-        except MemoryBudgetError:
-            raise MemoryBudgetError(
-                f"max_reuse_distance={limit} keeps {len(kept)} layers' parameters ({format_bytes(nbytes)}), more "
-                f"than the memory budget of {format_bytes(base.limit)} ({base.source}) holds; lower it") from None
-        return frozenset(c.key for c in kept), plan
-
-    def _plan_handoff(self, specs) -> frozenset:
-        """The ``(group, unit)`` whose update hands its new compute copy to the next step's forward
-        (`reuse.handed_over`), when ``max_reuse_distance`` is unset: those whose forward read costs a transfer,
-        updated whole in the backward (not in sweeps, not in parts) on the device."""
-        if self.config.max_reuse_distance is not None or self.spools_gradients or self.on_host:
-            return frozenset()
-        costly = self._reads_cost(specs)
-        kept = reuse.handed_over(self.program, _slice_sizes(specs), LIVE_BASE,
-                             lambda key: all(g in costly and g not in self.parts for g in self._streamed(key[0])))
-        return frozenset((g, c.key[1]) for c in kept for g in self._streamed(c.key[0]))
-
-    def _streamed(self, position: int) -> set[str]:
-        """The groups the scan at ``position`` streams."""
-        stage = next(s for s in self.program.stages if s.position == position)
-        return {self.program.leaves[k].group for k in stage.streams}
-
-    def _reads_cost(self, specs) -> set:
-        """The groups whose compute copy costs a transfer to read: on NVMe, or in host memory beside an
-        accelerator (on the CPU backend a host-tier read copies nothing)."""
-        cpu = self.platform == "cpu"
-        return {s.group for s in specs if s.kind == "params" and (s.tier == "nvme" or (s.tier == "host" and not cpu))}
-
-    def _reuse_saves_a_read(self, specs):
-        """Whether keeping a scan iteration's parameters saves its backward a transfer: every group it streams
-        costs one to read (`_reads_cost`), and its backward would not cast the compute copy from the master
-        its update reads anyway (`_Step._casts_compute_copy`)."""
-        costly = self._reads_cost(specs)
-        mixed = {s.group for s in specs if s.kind == "master"}
-        casts = not (self.spools_gradients or self.on_host)
-
-        def saves(key) -> bool:
-            for group in self._streamed(key[0]):
-                owned = self.program.groups[group].position == key[0]
-                if group not in costly or (owned and casts and group in mixed and group not in self.parts):
-                    return False
-            return True
-
-        return saves
 
     def _check_micro_batch(self) -> None:
         data = self.mesh.shape["data"]
@@ -881,7 +750,7 @@ class _Step:
             return
         paths, state_paths = e.units.paths(group, leaves)
         keys, host = part and part.params, e.on_host
-        if (group, i) in e.handoff:  # the next step's forward reads it first (`Engine._plan_handoff`)
+        if (group, i) in e.handoff:  # the next step's forward reads it first (`engine_plan.plan_handoff`)
             e.handed_over.keep((group, i), [dict(zip(paths, compute, strict=True))])
         e._write(track("params", group), self._store("params", group), i, dict(zip(paths, compute, strict=True)),
                  keys, from_host=host)
@@ -962,18 +831,8 @@ class _Kept(dict):
         return kept
 
 
-def _slice_sizes(specs) -> dict:
-    """``{(kind, group): bytes of one slice}`` of every store (`zinfjax.engine.reuse.timeline`)."""
-    return {(s.kind, s.group): slice_bytes(s) for s in specs}
-
-
 def _local_bytes(arrays: list) -> int:
     return sum(s.data.nbytes for x in arrays for s in x.addressable_shards)
-
-
-def on_host(x) -> bool:
-    """Whether array ``x`` is in host memory (one of `HOST_KINDS`)."""
-    return getattr(getattr(x, "sharding", None), "memory_kind", None) in HOST_KINDS
 
 
 def wait_for(outputs) -> None:
@@ -981,6 +840,11 @@ def wait_for(outputs) -> None:
     for x in jax.tree.leaves(outputs):
         if isinstance(x, jax.Array) and not x.is_deleted():
             x.block_until_ready()
+
+
+def on_host(x) -> bool:
+    """Whether array ``x`` is in host memory (one of `HOST_KINDS`)."""
+    return getattr(getattr(x, "sharding", None), "memory_kind", None) in HOST_KINDS
 
 
 def track(kind: str, group: str) -> str:
