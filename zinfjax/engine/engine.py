@@ -19,7 +19,6 @@ gradients inside their jitted bodies, and each update runs on the optimizer stat
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import time
@@ -52,6 +51,7 @@ from zinfjax.engine.store_plan import (
     tied_groups,
 )
 from zinfjax.engine.telemetry import StepTelemetry
+from zinfjax.engine.writebehind import WriteBehind
 from zinfjax.errors import UserError
 from zinfjax.program import jaxpr as jx
 from zinfjax.program.optimizer import combine_partials
@@ -115,9 +115,8 @@ class Engine:
         self.reuse = planned.reuse
         self.handoff = planned.handoff  # not "carry": that is a scan's loop carry
         self.handed_over = reuse.Held()  # the compute copies the last step's updates handed to the next forward
-        read = planned.needs[0]
         # While the state is written at the start, no step holds its operations' memory: writes may use it.
-        self._write_bound = self.budget.write_bytes_in_flight + LIVE_BASE * read
+        fill_bound = self.budget.write_bytes_in_flight + LIVE_BASE * planned.needs[0]
         self.capped = config.uses_nvme and memory_capped(config, self.budget)
         if self.capped:  # freed layer buffers leave the heap at once (docs/design.md, invariant 2)
             allocator.tune_allocator(mmap_threshold=NVME_MMAP_THRESHOLD, trim_threshold=allocator.GLIBC_TRIM_THRESHOLD)
@@ -125,9 +124,7 @@ class Engine:
                                               host_buffer_bytes=self.budget.host_buffer_bytes)
         self.step_count = int(getattr(source, "step", 0))
         self.tracer = None  # a zinfjax.engine.trace.Tracer while one is attached
-        self._writes: collections.deque = collections.deque()
-        self._computing: collections.deque = collections.deque()  # outputs of stage functions not yet waited on
-        self._writing = 0  # bytes of the writes in flight
+        self._behind = WriteBehind(fill_bound, config.prefetch_depth)  # the computations and writes in flight
         self._telemetry: StepTelemetry | None = None
         self._steps_run = 0
         self.stores = build_stores(config, specs, acts, self.parts, self.host_kind)
@@ -194,7 +191,7 @@ class Engine:
                         self._write("fill", s.opt[g.name], i, dict(zip(state_paths, state, strict=True)),
                                     part and part.state)
             s.flush()
-        self._write_bound = self.budget.write_bytes_in_flight
+        self._behind.bound = self.budget.write_bytes_in_flight
         if self.loss_scale.enabled and getattr(source, "loss_scale", None) is not None:
             self.loss_scale.scale = float(source.loss_scale)
             self.loss_scale.good = int(getattr(source, "loss_scale_good", 0))
@@ -214,7 +211,7 @@ class Engine:
                 op.run(results)
             telemetry.add_reads(reads)
             skipped = step.finish_update(telemetry)
-            self._computing.clear()
+            self._behind.forget_computations()
             loss = float(jnp.mean(step.loss))
             self.stores.flush()
         except BaseException:
@@ -261,19 +258,12 @@ class Engine:
 
     def _dispatch(self, name: str, layer: int, fn, *args):
         """``fn(*args)``, dispatched asynchronously; an attached tracer gets the dispatch time and the result.
-
-        JAX's dispatch does not wait for compute, and reads that finish early would let this loop queue
-        every layer's computation at once, each holding its inputs. So at most ``prefetch_depth``
-        computations (at least one) are in flight: beyond that, it waits for the oldest
-        (docs/design.md, invariant 2). The reads of the next operations stay in flight meanwhile.
-        """
+        At most ``prefetch_depth`` computations (at least one) are in flight (`WriteBehind`)."""
         t0 = time.perf_counter()
         out = fn(*args)
         if self.tracer is not None:
             self.tracer.compute(name, layer, t0, out)
-        self._computing.append(out)
-        while len(self._computing) > max(1, self.config.prefetch_depth):
-            wait_for(self._computing.popleft())
+        self._behind.computed(out)
         return out
 
     def _write(self, track: str, store, i: int, tree, keys: tuple[str, ...] | None = None,
@@ -287,15 +277,7 @@ class Engine:
             self._telemetry.add_write(store, keys, from_host)
         if self.tracer is not None:
             self.tracer.write(track, i, t0, future)
-        # A write holds its slice in memory until it lands; without a bound, a disk slower than
-        # compute would let that backlog grow with the number of layers (docs/design.md, invariant 2).
-        # The bound is in bytes, from the memory budget, so it holds whatever the size of a layer.
-        self._writes.append((future, nbytes))
-        self._writing += nbytes
-        while self._writes and (self._writes[0][0].done() or self._writing > self._write_bound):
-            done, nbytes = self._writes.popleft()
-            self._writing -= nbytes
-            done.exception()  # errors surface at the next flush
+        self._behind.written(future, nbytes)  # the bytes in flight bounded by the memory budget (`WriteBehind`)
 
     # ---- reading the state back --------------------------------------------------------------
 
@@ -833,13 +815,6 @@ class _Kept(dict):
 
 def _local_bytes(arrays: list) -> int:
     return sum(s.data.nbytes for x in arrays for s in x.addressable_shards)
-
-
-def wait_for(outputs) -> None:
-    """Waits until a computation's outputs are ready; an output a later computation took over (donated) is."""
-    for x in jax.tree.leaves(outputs):
-        if isinstance(x, jax.Array) and not x.is_deleted():
-            x.block_until_ready()
 
 
 def on_host(x) -> bool:
