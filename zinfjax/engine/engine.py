@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from zinfjax import allocator
 from zinfjax.config import Config
 from zinfjax.engine import crash_marker, reuse
+from zinfjax.engine._step_io import StepEngine, StepIO, track
 from zinfjax.engine.budget import (
     LIVE_BASE,
     NVME_MMAP_THRESHOLD,
@@ -205,12 +206,16 @@ class Engine:
             allocator.trim()
         telemetry = self._telemetry = StepTelemetry(self.stores.all(), self.tracer)
         try:
-            step = _Step(self, self._micro_batches(batch), self._keys(rng))
+            io = StepIO(self._dispatch, self._write, self._tied, telemetry)
+            step = _Step(self, io, self._micro_batches(batch), self._keys(rng))
             reads = ReadAhead([op.reads for op in step.ops], self.config.prefetch_depth)
             for op, results in zip(step.ops, reads, strict=True):
                 op.run(results)
             telemetry.add_reads(reads)
-            skipped = step.finish_update(telemetry)
+            updated = step.finish_update()
+            skipped = updated is None
+            if not skipped:
+                self.globals = updated
             self._behind.forget_computations()
             loss = float(jnp.mean(step.loss))
             self.stores.flush()
@@ -319,11 +324,11 @@ class Engine:
 class _Step:
     """One training step's operations and the values that flow between them."""
 
-    def __init__(self, engine: Engine, batch: list, keys):
-        self.e, self.p = engine, engine.program
-        self.env: dict = dict(zip(self.p.batch_vars, batch, strict=True))
-        if self.p.rng_var is not None:
-            self.env[self.p.rng_var] = keys
+    def __init__(self, engine: StepEngine, io: StepIO, batch: list, keys):
+        self.engine, self.io, self.program = engine, io, engine.program
+        self.env: dict = dict(zip(self.program.batch_vars, batch, strict=True))
+        if self.program.rng_var is not None:
+            self.env[self.program.rng_var] = keys
         self.cts: dict = {}
         self.whole_grads: dict = {}
         self.pending: dict = {}  # (group, i) -> (its params, {leaf: gradient}) until its update parts have run
@@ -336,9 +341,9 @@ class _Step:
         self.loss = None
         self.scale = jnp.float32(engine.loss_scale.value)
         self.ops: list[Op] = []
-        for stage in self.p.stages:
+        for stage in self.program.stages:
             self.ops += self._forward(stage)
-        for stage in reversed(self.p.stages):
+        for stage in reversed(self.program.stages):
             self.ops += self._backward(stage)
         self.ops += self._unused()
 
@@ -350,22 +355,22 @@ class _Step:
     # ---- reads -------------------------------------------------------------------------------
 
     def _store(self, kind: str, group: str):
-        return self.e.stores.kind(kind)[group]
+        return self.engine.stores.kind(kind)[group]
 
     def _param_reads(self, leaves, i: int) -> tuple[list, list]:
-        groups = sorted({self.p.leaves[k].group for k in leaves})
+        groups = sorted({self.program.leaves[k].group for k in leaves})
         return groups, [Read(track("params", g), self._store("params", g), i) for g in groups]
 
     def _update_reads(self, group: str, i: int, part: Part | None = None) -> list:
         """What a fused update of unit ``i`` (or of its leaves ``part``) needs beyond what the backward read:
         opt (and master)."""
-        if self.e.spools_gradients:
+        if self.engine.spools_gradients:
             return []
         reads, kind = [], self._update_kind("optimizer")
-        if self.e.plan.part_state(group, part and part.leaves):
+        if self.engine.plan.part_state(group, part and part.leaves):
             reads.append(Read(track("opt", group), self._store("opt", group), i, keys=part and part.state,
                               memory_kind=kind))
-        if self.e.stores.master:
+        if self.engine.stores.master:
             reads.append(Read(track("master", group), self._store("master", group), i, keys=part and part.params,
                               memory_kind=kind))
         return reads
@@ -373,12 +378,12 @@ class _Step:
     def _update_kind(self, tier_key: str) -> str:
         """The memory kind the update reads state of the tier ``tier_key`` into: host memory for the update on
         the host (unless the state is on the device), else device memory."""
-        on_device = getattr(self.e.config, tier_key) == "device"
-        return self.e.host_kind if self.e.on_host and not on_device else "device"
+        on_device = getattr(self.engine.config, tier_key) == "device"
+        return self.engine.host_kind if self.engine.on_host and not on_device else "device"
 
     def _values(self, leaves, groups, trees) -> dict:
         by_group = dict(zip(groups, trees, strict=False))
-        return {k: by_group[self.p.leaves[k].group][self.p.leaves[k].path] for k in leaves}
+        return {k: by_group[self.program.leaves[k].group][self.program.leaves[k].path] for k in leaves}
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -389,22 +394,22 @@ class _Step:
             def run(trees, stage=stage, groups=groups):
                 params = self._values(stage.params, groups, trees)
                 ins = [self.env[v] for v in stage.inputs]
-                name = f"{label(self.p, stage)}_fwd"
-                if self.e.saves_residuals:
-                    fwd = self.e.stage_fns.whole_fwd_saving(stage.position)
-                    outs, self.kept[stage.position] = self.e._dispatch(name, stage.position, fwd, params, ins)
+                name = f"{label(self.program, stage)}_fwd"
+                if self.engine.saves_residuals:
+                    fwd = self.engine.stage_fns.whole_fwd_saving(stage.position)
+                    outs, self.kept[stage.position] = self.io.dispatch(name, stage.position, fwd, params, ins)
                 else:
-                    outs = self.e._dispatch(name, stage.position, self.e.stage_fns.whole_fwd(stage.position),
+                    outs = self.io.dispatch(name, stage.position, self.engine.stage_fns.whole_fwd(stage.position),
                                             params, ins)
                 self.env.update(zip(stage.outputs, outs, strict=True))
-                if self.p.loss_var in stage.outputs:
-                    self.loss = self.env[self.p.loss_var]
+                if self.program.loss_var in stage.outputs:
+                    self.loss = self.env[self.program.loss_var]
 
             return [Op("whole_fwd", stage.position, reads, run)]
         return self._scan_forward(stage)
 
     def _carry_init(self, stage, params: dict) -> list:
-        a = self.e.micro
+        a = self.engine.micro
         out = []
         for kind, what in stage.carry_init:
             if kind == "var":
@@ -424,31 +429,31 @@ class _Step:
             state["ys"] = {}
 
         ops = [Op("scan_begin", stage.position, reads, begin)]
-        acts = self.e.stores.acts[stage.position]
+        acts = self.engine.stores.acts[stage.position]
         for i in stage.order():
             s_groups, s_reads = self._param_reads(stage.streams, i)
-            handed = self.e.handed_over  # the owner's forward is the first use of what the last step updated
+            handed = self.engine.handed_over  # the owner's forward is the first use of what the last step updated
             s_reads = [Read(r.track, handed.slot((g, i), 0), i)
-                       if handed.has((g, i)) and self.p.groups[g].position == stage.position else r
+                       if handed.has((g, i)) and self.program.groups[g].position == stage.position else r
                        for g, r in zip(s_groups, s_reads, strict=True)]
 
             def run(trees, i=i, s_groups=s_groups):
                 slices = self._values(stage.streams, s_groups, trees)
-                if (stage.position, i) in self.e.reuse:
+                if (stage.position, i) in self.engine.reuse:
                     self.held.keep((stage.position, i), trees)
                 ins = [self.env[v] for v in stage.const_vars]
                 xs = [self.env[v][:, i] for v in stage.xs_vars]
-                args = (f"{label(self.p, stage)}_fwd", i)
-                if self.e.saves_residuals:  # the residuals replace the activation checkpoint
-                    fwd = self.e.stage_fns.scan_fwd_saving(stage.position)
-                    state["carry"], state["ys"][i], self.kept[(stage.position, i)] = self.e._dispatch(
+                args = (f"{label(self.program, stage)}_fwd", i)
+                if self.engine.saves_residuals:  # the residuals replace the activation checkpoint
+                    fwd = self.engine.stage_fns.scan_fwd_saving(stage.position)
+                    state["carry"], state["ys"][i], self.kept[(stage.position, i)] = self.io.dispatch(
                         *args, fwd, state["params"], slices, ins, state["carry"], xs)
                     return
                 carry = {f"carry{j}": c for j, c in enumerate(state["carry"])}
-                self.e._write(f"acts_{label(self.p, stage)}", acts, i, carry)
+                self.io.write(f"acts_{label(self.program, stage)}", acts, i, carry)
                 self.written.add((stage.position, i))
-                fwd = self.e.stage_fns.scan_fwd(stage.position)
-                state["carry"], state["ys"][i] = self.e._dispatch(*args, fwd, state["params"], slices, ins,
+                fwd = self.engine.stage_fns.scan_fwd(stage.position)
+                state["carry"], state["ys"][i] = self.io.dispatch(*args, fwd, state["params"], slices, ins,
                                                                   state["carry"], xs)
 
             ops.append(Op("scan_fwd", i, s_reads, run))
@@ -473,12 +478,13 @@ class _Step:
         """``v``'s cotangent so far: zeros when it has none yet, None when its values (integers) carry none."""
         if v in self.cts:
             return self.cts[v]
-        if v is self.p.loss_var:
+        if v is self.program.loss_var:
             return jnp.broadcast_to(self.scale.astype(v.aval.dtype), self.env[v].shape)
         return zero_cotangent(self.env[v]) if differentiable(v.aval) else None
 
     def _add_ct(self, v, c) -> None:
-        if c is None or not jx.is_var(v) or v in self.p.batch_vars or v is self.p.rng_var or not differentiable(
+        program = self.program
+        if c is None or not jx.is_var(v) or v in program.batch_vars or v is program.rng_var or not differentiable(
                 v.aval):
             return
         self.cts[v] = self.cts[v] + c if v in self.cts else c
@@ -489,7 +495,7 @@ class _Step:
 
     def _completed(self, position: int) -> list:
         """Whole groups whose gradient is complete once the stage at ``position`` has run its backward."""
-        return [g for g in self.p.groups.values() if not g.streamed and g.position == position]
+        return [g for g in self.program.groups.values() if not g.streamed and g.position == position]
 
     def _backward(self, stage) -> list[Op]:
         if stage.kind == "scan":
@@ -501,13 +507,13 @@ class _Step:
         def run(trees, stage=stage, groups=groups, done=done):
             params = self._values(stage.params, groups, trees[: len(groups)])
             d_outs = [self._cotangent(v) for v in stage.outputs]
-            name = f"{label(self.p, stage)}_bwd"
-            if self.e.saves_residuals:
-                d_params, d_ins = self.e._dispatch(name, stage.position, self.e.stage_fns.whole_bwd_saved(
-                    stage.position), params, self.kept.pop(stage.position), d_outs)
+            name, fns = f"{label(self.program, stage)}_bwd", self.engine.stage_fns
+            if self.engine.saves_residuals:
+                d_params, d_ins = self.io.dispatch(name, stage.position, fns.whole_bwd_saved(stage.position), params,
+                                                   self.kept.pop(stage.position), d_outs)
             else:
-                d_params, d_ins = self.e._dispatch(name, stage.position, self.e.stage_fns.whole_bwd(stage.position),
-                                                   params, [self.env[v] for v in stage.inputs], d_outs)
+                d_params, d_ins = self.io.dispatch(name, stage.position, fns.whole_bwd(stage.position), params,
+                                                   [self.env[v] for v in stage.inputs], d_outs)
             self._add_grads(d_params)
             for v, c in zip(stage.inputs, d_ins, strict=True):
                 self._add_ct(v, c)
@@ -518,8 +524,8 @@ class _Step:
     def _scan_backward(self, stage) -> list[Op]:
         state: dict = {}
         groups, reads = self._param_reads(stage.params, 0)
-        acts = self.e.stores.acts[stage.position]
-        owned = [g for g in self.p.streamed_groups() if g.position == stage.position]
+        acts = self.engine.stores.acts[stage.position]
+        owned = [g for g in self.program.streamed_groups() if g.position == stage.position]
         done = self._completed(stage.position)
 
         def begin(trees):
@@ -531,26 +537,26 @@ class _Step:
         ops = [Op("scan_bwd_begin", stage.position, reads, begin)]
         for i in reversed(stage.order()):
             s_groups, s_reads = self._param_reads(stage.streams, i)
-            if (stage.position, i) in self.e.reuse:
+            if (stage.position, i) in self.engine.reuse:
                 key = (stage.position, i)
                 s_reads = [Read(r.track, self.held.slot(key, k), i, ready=lambda key=key: self.held.has(key))
                            for k, r in enumerate(s_reads)]
             cast = {g.name for g in owned if self._casts_compute_copy(g.name, stage.position, i)}
             read = [(g, r) for g, r in zip(s_groups, s_reads, strict=True) if g not in cast]
-            act = [] if self.e.saves_residuals else [
-                Read(f"acts_{label(self.p, stage)}", acts, i, ready=lambda i=i: (stage.position, i) in self.written)]
+            act = [] if self.engine.saves_residuals else [Read(
+                f"acts_{label(self.program, stage)}", acts, i, ready=lambda i=i: (stage.position, i) in self.written)]
             extra = []
             for g in owned:
-                if g.name not in self.e.parts:
+                if g.name not in self.engine.parts:
                     extra += self._update_reads(g.name, i)
-                if g.name in self.e._tied:
+                if g.name in self.io.tied:
                     extra.append(Read(track("grads", g.name), self._store("grads", g.name), i,
                                       ready=lambda g=g, i=i: ("grads", g.name, i) in self.written))
             ops.append(Op("scan_bwd", i, [r for _, r in read] + act + extra,
                           functools.partial(self._scan_step, stage, state, i, s_groups, [g for g, _ in read], owned)))
             ops += [Op("update_part", i, self._update_reads(g.name, i, part),
                        functools.partial(self._update_part, g.name, i, part))
-                    for g in owned for part in self.e.parts.get(g.name, [])]
+                    for g in owned for part in self.engine.parts.get(g.name, [])]
 
         def end(_):
             for v, c in zip(stage.const_vars, state["d_ins"] or [], strict=False):
@@ -578,45 +584,47 @@ class _Step:
         """Whether the backward of unit ``i`` of ``group`` takes its compute copy from the fp32 master its fused
         update reads anyway, cast as the update casts it (bit for bit the copy the store holds), instead of
         reading the copy too: when that read would cost a transfer (NVMe, or host memory on an accelerator)."""
-        e = self.e
-        if not e.stores.master or e.spools_gradients or e.on_host or group in e.parts or (position, i) in e.reuse:
+        engine = self.engine
+        if not engine.stores.master or engine.spools_gradients or engine.on_host or group in engine.parts:
+            return False
+        if (position, i) in engine.reuse:
             return False
         return self._store("params", group).memory_kind != "device"
 
     def _scan_step(self, stage, state, i: int, s_groups, read_groups, owned, trees) -> None:
-        n, saved = len(read_groups), self.e.saves_residuals
+        n, saved = len(read_groups), self.engine.saves_residuals
         by_group = dict(zip(read_groups, trees[:n], strict=True))
         carry = self.final_carry[stage.position] if saved else [trees[n][f"carry{j}"] for j in range(stage.num_carry)]
         rest = list(trees[n + (0 if saved else 1):])
         reads = {}  # each owned group's update reads and spooled gradient, in the order `_scan_backward` listed them
         for g in owned:
-            n_upd = 0 if g.name in self.e.parts else len(self._update_reads(g.name, i))
+            n_upd = 0 if g.name in self.engine.parts else len(self._update_reads(g.name, i))
             upd, rest = rest[:n_upd], rest[n_upd:]
             spooled = None
-            if g.name in self.e._tied:
+            if g.name in self.io.tied:
                 spooled, rest = rest[0], rest[1:]
             reads[g.name] = (upd, spooled)
             if g.name not in by_group:  # `_casts_compute_copy`: the master is the last update read
-                by_group[g.name] = self.e._dispatch(f"cast_{dir_name(g.name)}", i, self.e.units.compute_copy(g.name),
-                                                    upd[-1])
+                by_group[g.name] = self.io.dispatch(f"cast_{dir_name(g.name)}", i,
+                                                    self.engine.units.compute_copy(g.name), upd[-1])
         slices = self._values(stage.streams, s_groups, [by_group[g] for g in s_groups])
         # A carry with no cotangent yet gets zeros, so every iteration's backward has one signature (integers: None).
         state["d_carry"] = [zero_cotangent(x) if c is None and differentiable(jax.typeof(x)) else c
                             for x, c in zip(carry, state["d_carry"], strict=True)]
         outvars = stage.eqn.outvars[stage.num_carry:]
         d_ys = [self.cts[v][:, i] if v in self.cts else
-                zero_cotangent(jax.ShapeDtypeStruct((self.e.micro, *v.aval.shape[1:]), v.aval.dtype))
+                zero_cotangent(jax.ShapeDtypeStruct((self.engine.micro, *v.aval.shape[1:]), v.aval.dtype))
                 if differentiable(v.aval) else None for v in outvars]
-        name = f"{label(self.p, stage)}_bwd"
+        name = f"{label(self.program, stage)}_bwd"
         if saved:
-            d_params, d_slices, d_ins, state["d_carry"], d_xs = self.e._dispatch(
-                name, i, self.e.stage_fns.scan_bwd_saved(stage.position), state["params"], slices,
+            d_params, d_slices, d_ins, state["d_carry"], d_xs = self.io.dispatch(
+                name, i, self.engine.stage_fns.scan_bwd_saved(stage.position), state["params"], slices,
                 self.kept.pop((stage.position, i)), state["d_carry"], d_ys)
         else:
             ins = [self.env[v] for v in stage.const_vars]
             xs = [self.env[v][:, i] for v in stage.xs_vars]
-            d_params, d_slices, d_ins, state["d_carry"], d_xs = self.e._dispatch(
-                name, i, self.e.stage_fns.scan_bwd(stage.position), state["params"], slices, ins, carry, xs,
+            d_params, d_slices, d_ins, state["d_carry"], d_xs = self.io.dispatch(
+                name, i, self.engine.stage_fns.scan_bwd(stage.position), state["params"], slices, ins, carry, xs,
                 state["d_carry"], d_ys)
         for k, g in d_params.items():
             state["d_params"][k] = state["d_params"][k] + g if k in state["d_params"] else g
@@ -628,28 +636,28 @@ class _Step:
         state["d_xs"][i] = d_xs
         for g in owned:
             grads = [d_slices[k] for k in g.leaves]
-            in_parts = g.name in self.e.parts
+            in_parts = g.name in self.engine.parts
             upd, spooled = reads[g.name]
             if spooled is not None:
-                grads = [a + spooled[self.p.leaves[k].path] for k, a in zip(g.leaves, grads, strict=True)]
+                grads = [a + spooled[self.program.leaves[k].path] for k, a in zip(g.leaves, grads, strict=True)]
             if in_parts:  # the update_part operations that follow take them (and the compute copy, as the master
                 # when there is no other: with one, it goes now)
-                own = None if self.e.stores.master else by_group[g.name]
+                own = None if self.engine.stores.master else by_group[g.name]
                 self.pending[(g.name, i)] = (own, dict(zip(g.leaves, grads, strict=True)))
             else:
                 self._update_unit(g.name, i, by_group[g.name], grads, upd)
-        for group in sorted({self.p.leaves[k].group for k in stage.streams} - {g.name for g in owned}):
-            leaves = self.p.groups[group].leaves
-            self._contribute(group, i, {self.p.leaves[k].path: d_slices[k] for k in leaves if k in d_slices})
+        for group in sorted({self.program.leaves[k].group for k in stage.streams} - {g.name for g in owned}):
+            leaves = self.program.groups[group].leaves
+            self._contribute(group, i, {self.program.leaves[k].path: d_slices[k] for k in leaves if k in d_slices})
 
     def _contribute(self, group: str, i: int, grads: dict) -> None:
         """A later scan's share of a tied parameter's gradient, spooled for its owner's backward."""
         store = self._store("grads", group)
-        self.e._write(track("grads", group), store, i, {p: g.astype(jnp.float32) for p, g in grads.items()})
+        self.io.write(track("grads", group), store, i, {p: g.astype(jnp.float32) for p, g in grads.items()})
         self.written.add(("grads", group, i))
 
     def _unused(self) -> list[Op]:
-        unused = [g for g in self.p.groups.values() if g.name == "w:unused"]
+        unused = [g for g in self.program.groups.values() if g.name == "w:unused"]
         if not unused:
             return []
         reads = [Read(track("params", "w:unused"), self._store("params", "w:unused"), 0)]
@@ -661,7 +669,7 @@ class _Step:
 
     def _update_whole(self, done, trees: dict, upd: list) -> None:
         for g in done:
-            leaves = self.p.leaves_of(g.name)
+            leaves = self.program.leaves_of(g.name)
             grads = [self.whole_grads.pop(leaf.index, None) for leaf in leaves]
             grads = [jnp.zeros(leaf.shape, jnp.float32) if x is None else x for leaf, x in zip(leaves, grads,
                                                                                                strict=True)]
@@ -680,16 +688,17 @@ class _Step:
     def _update_unit(self, group: str, i: int, params_tree: dict, grads: list, upd: list,
                      part: Part | None = None) -> None:
         """A unit's gradient is complete: update it (or its leaves ``part``) now (fused), or spool it for the sweeps."""
-        e = self.e
-        paths, state_paths = e.units.paths(group, part and part.leaves)
-        if e.spools_gradients:
-            spooled, finite = e.units.spool(group)(grads)
-            e._write(track("grads", group), self._store("grads", group), i, dict(zip(paths, spooled, strict=True)))
+        engine = self.engine
+        paths, state_paths = engine.units.paths(group, part and part.leaves)
+        if engine.spools_gradients:
+            spooled, finite = engine.units.spool(group)(grads)
+            self.io.write(track("grads", group), self._store("grads", group), i,
+                          dict(zip(paths, spooled, strict=True)))
             self.finite.append(finite)
             return
         has_state = bool(state_paths)
         opt = upd[0] if has_state else {}
-        master = upd[1 if has_state else 0] if e.stores.master else params_tree
+        master = upd[1 if has_state else 0] if engine.stores.master else params_tree
         self._apply(group, i, [master[p] for p in paths], grads, [opt[p] for p in state_paths], sweep=0, totals=[],
                     grad_div=np.float32(1), donate=self._donated(group, i, has_state, grads), part=part)
 
@@ -704,13 +713,13 @@ class _Step:
         input's buffer are donated: an output written into a buffer that another output still reads makes
         XLA copy that input first (32 copies of Adam's m and v per GPT-2 layer, before).
         """
-        e = self.e
+        engine = self.engine
         opt = self._store("opt", group) if has_state else None
-        if e.on_host:  # gradients and in-memory state come from the device: no buffers its host outputs can reuse
+        if engine.on_host:  # gradients and in-memory state come from the device: no buffers its host outputs can reuse
             return (2,) if opt is not None and opt.tier == "nvme" else ()
         state = opt is not None and opt.hands_over(i)
-        master = self._store("master" if e.stores.master else "params", group).hands_over(i)
-        if not e.stores.master:  # fp32: the compute copy is the master, and the first output
+        master = self._store("master" if engine.stores.master else "params", group).hands_over(i)
+        if not engine.stores.master:  # fp32: the compute copy is the master, and the first output
             return ((0,) if master else (1,)) + ((2,) if state else ())
         # Mixed precision: a gradient in the compute dtype becomes the compute copy; one in fp32 (a tied
         # parameter's, with a later stage's share added) would take the master's place.
@@ -719,80 +728,81 @@ class _Step:
 
     def _apply(self, group: str, i: int, master: list, grads: list, state: list, sweep: int, totals: list,
                grad_div, donate: tuple[int, ...] = (), part: Part | None = None) -> None:
-        e = self.e
+        engine = self.engine
         leaves = part and part.leaves
-        fn = e.units.update(group, sweep, e.units.size(group, i), donate, leaves)
-        if e.on_host and e._telemetry is not None:
-            e._telemetry.add_link(self._link_bytes(master, grads, state, sweep))
-        partials, compute, master, state = e._dispatch(f"update_{dir_name(group)}", i, fn, master, grads, state,
-                                                  e.globals, totals, e.units.start(group, i), grad_div)
-        for c, value in zip(e.plan.crosses_of(group, sweep), partials, strict=True):
+        fn = engine.units.update(group, sweep, engine.units.size(group, i), donate, leaves)
+        if engine.on_host:
+            self.io.telemetry.add_link(self._link_bytes(master, grads, state, sweep))
+        partials, compute, master, state = self.io.dispatch(f"update_{dir_name(group)}", i, fn, master, grads, state,
+                                                            engine.globals, totals, engine.units.start(group, i),
+                                                            grad_div)
+        for c, value in zip(engine.plan.crosses_of(group, sweep), partials, strict=True):
             self.partials.setdefault(c.eqn.outvars[0], []).append(value)
-        if sweep < e.plan.sweeps - 1:
+        if sweep < engine.plan.sweeps - 1:
             return
-        paths, state_paths = e.units.paths(group, leaves)
-        keys, host = part and part.params, e.on_host
-        if (group, i) in e.handoff:  # the next step's forward reads it first (`engine_plan.plan_handoff`)
-            e.handed_over.keep((group, i), [dict(zip(paths, compute, strict=True))])
-        e._write(track("params", group), self._store("params", group), i, dict(zip(paths, compute, strict=True)),
-                 keys, from_host=host)
-        if e.stores.master:
-            e._write(track("master", group), self._store("master", group), i, dict(zip(paths, master, strict=True)),
-                     keys, from_host=host)
+        paths, state_paths = engine.units.paths(group, leaves)
+        keys, host, write = part and part.params, engine.on_host, self.io.write
+        if (group, i) in engine.handoff:  # the next step's forward reads it first (`engine_plan.plan_handoff`)
+            engine.handed_over.keep((group, i), [dict(zip(paths, compute, strict=True))])
+        write(track("params", group), self._store("params", group), i, dict(zip(paths, compute, strict=True)), keys,
+              from_host=host)
+        if engine.stores.master:
+            write(track("master", group), self._store("master", group), i, dict(zip(paths, master, strict=True)), keys,
+                  from_host=host)
         if state_paths:
-            e._write(track("opt", group), self._store("opt", group), i, dict(zip(state_paths, state, strict=True)),
-                     part and part.state, from_host=host)
+            write(track("opt", group), self._store("opt", group), i, dict(zip(state_paths, state, strict=True)),
+                  part and part.state, from_host=host)
 
     def _link_bytes(self, master: list, grads: list, state: list, sweep: int) -> int:
         """What the update on the host moves over the host link: its inputs that are in device memory, and
         (on the last sweep) the new compute copy when the parameters live on the device."""
         down = sum(x.nbytes for x in (*master, *grads, *state) if not on_host(x))
         up = 0
-        if sweep == self.e.plan.sweeps - 1 and self.e.config.params == "device":
-            up = sum(x.size for x in master) * jnp.dtype(self.e.compute_dtype).itemsize
+        if sweep == self.engine.plan.sweeps - 1 and self.engine.config.params == "device":
+            up = sum(x.size for x in master) * jnp.dtype(self.engine.compute_dtype).itemsize
         return down + up
 
-    def finish_update(self, telemetry) -> bool:
-        """After the backward pass: the sweeps (when spooled) and the global state; whether the step was skipped."""
-        e = self.e
-        if e.spools_gradients:
+    def finish_update(self) -> list | None:
+        """After the backward pass: the sweeps (when spooled), then the optimizer's new global state; None
+        when the step was skipped (fp16's overflow)."""
+        engine, plan = self.engine, self.engine.plan
+        if engine.spools_gradients:
             finite = bool(jnp.all(jnp.stack(self.finite))) if self.finite else True
-            if e.config.precision == "fp16":
-                e.loss_scale.after_step(finite)
+            if engine.config.precision == "fp16":
+                engine.loss_scale.after_step(finite)
                 if not finite:
-                    return True
-            e.stores.flush()  # the spooled gradients land before the sweeps read them
-            for sweep in range(e.plan.sweeps):
-                self._sweep(sweep, telemetry)
-        totals = combine_partials(e.plan.crosses, self.partials)
-        e.globals = list(e.plan.finish()(e.globals, [totals[c.eqn.outvars[0]] for c in e.plan.crosses]))
-        return False
+                    return None
+            engine.stores.flush()  # the spooled gradients land before the sweeps read them
+            for sweep in range(plan.sweeps):
+                self._sweep(sweep)
+        totals = combine_partials(plan.crosses, self.partials)
+        return list(plan.finish()(engine.globals, [totals[c.eqn.outvars[0]] for c in plan.crosses]))
 
-    def _sweep(self, sweep: int, telemetry) -> None:
-        e = self.e
-        totals_vars = e.plan.totals_before(sweep)
-        done = combine_partials([c for c in e.plan.crosses if c.phase < sweep], self.partials)
+    def _sweep(self, sweep: int) -> None:
+        engine = self.engine
+        totals_vars = engine.plan.totals_before(sweep)
+        done = combine_partials([c for c in engine.plan.crosses if c.phase < sweep], self.partials)
         totals = [done[v] for v in totals_vars]
-        units = [(g, i) for g in self.p.groups.values() for i in range(g.length)]
-        source = "master" if e.stores.master else "params"
+        units = [(g, i) for g in self.program.groups.values() for i in range(g.length)]
+        source = "master" if engine.stores.master else "params"
         groups = []
         for g, i in units:
             reads = [Read(track(source, g.name), self._store(source, g.name), i,
                           memory_kind=self._update_kind("optimizer" if source == "master" else "params")),
                      Read(track("grads", g.name), self._store("grads", g.name), i,
                           memory_kind=self._update_kind("gradients"))]
-            if e.plan.state_of(g.name):
+            if engine.plan.state_of(g.name):
                 reads.append(Read(track("opt", g.name), self._store("opt", g.name), i,
                                   memory_kind=self._update_kind("optimizer")))
             groups.append(reads)
-        reads = ReadAhead(groups, e.config.prefetch_depth)
-        grad_div = jnp.float32(e.loss_scale.value)
+        reads = ReadAhead(groups, engine.config.prefetch_depth)
+        grad_div = jnp.float32(engine.loss_scale.value)
         for (g, i), trees in zip(units, reads, strict=True):
-            paths = [leaf.path for leaf in self.p.leaves_of(g.name)]
-            state = [trees[2][s.path] for s in e.plan.state_of(g.name)] if len(trees) > 2 else []
+            paths = [leaf.path for leaf in self.program.leaves_of(g.name)]
+            state = [trees[2][s.path] for s in engine.plan.state_of(g.name)] if len(trees) > 2 else []
             self._apply(g.name, i, [trees[0][p] for p in paths], [trees[1][p] for p in paths], state, sweep, totals,
                         grad_div)
-        telemetry.add_reads(reads)
+        self.io.telemetry.add_reads(reads)
 
 
 class _Kept(dict):
@@ -820,11 +830,6 @@ def _local_bytes(arrays: list) -> int:
 def on_host(x) -> bool:
     """Whether array ``x`` is in host memory (one of `HOST_KINDS`)."""
     return getattr(getattr(x, "sharding", None), "memory_kind", None) in HOST_KINDS
-
-
-def track(kind: str, group: str) -> str:
-    """The telemetry track of a store: ``params_blocks``, ``opt_embed.wte.embedding``."""
-    return f"{kind}_{dir_name(group)}"
 
 
 def label(program: Program, stage) -> str:
