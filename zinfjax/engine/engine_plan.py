@@ -175,7 +175,7 @@ def _reads_cost(inputs: PlanInputs) -> set:
 def _reuse_saves_a_read(inputs: PlanInputs, parts: dict):
     """Whether keeping a scan iteration's parameters saves its backward a transfer: every group it streams
     costs one to read (`_reads_cost`), and its backward would not cast the compute copy from the master
-    its update reads anyway (`_Step._casts_compute_copy`)."""
+    its update reads anyway (`zinfjax.engine._step.Step._casts_compute_copy`)."""
     program, costly = inputs.program, _reads_cost(inputs)
     mixed = {s.group for s in inputs.specs if s.kind == "master"}
     casts = not (inputs.spools_gradients or inputs.on_host)
