@@ -74,7 +74,7 @@ class Engine:
         self.spools_gradients = spools_gradients(config, self.plan)
         self.micro = config.grad_accum
         self._check_micro_batch()
-        self._tied = self._tied_groups()
+        self._tied = tied_groups(program)  # the streamed groups other scans stream too
         specs, acts = store_specs(config, program, self.plan, self.placement, self.compute_dtype)
         self.residual_bytes = self._residual_bytes()
         planned = plan_engine(PlanInputs(config, program, self.plan, specs, list(acts.values()), self.platform,
@@ -124,9 +124,6 @@ class Engine:
         if bad:
             raise BatchError(f"a micro-batch of {bad[0]} rows does not split over the {data} devices of the data "
                              f"axis; make batch_size / grad_accum a multiple of {data}")
-
-    def _tied_groups(self) -> dict[str, int]:
-        return tied_groups(self.program)
 
     def _release_scratch(self) -> None:
         """With the state on nvme, memory is the budget: give the compiler's freed scratch back to the system."""
