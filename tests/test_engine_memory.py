@@ -106,7 +106,7 @@ def test_a_closed_engine_leaves_its_compiled_functions_to_the_collector(tmp_path
     for the life of the process: 55 MB a gpt2-tiny engine on 8 devices, 18 GB in one test worker.
     """
     from tests.engine_helpers import batches, config, make_engine
-    from zinfjax.engine.engine import compiled, update_plan
+    from zinfjax.engine import compiled, update_plan
 
     c = config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), stage=3)
     engine = make_engine(c)

@@ -16,7 +16,7 @@ import pytest
 
 from tests.engine_helpers import assert_bitwise, batches, config, engine_run, make_engine, reference_run, relative_error
 from zinfjax import Config
-from zinfjax.engine.engine import update_location
+from zinfjax.engine.engine_plan import update_location
 from zinfjax.errors import ConfigError
 from zinfjax.sharding import make_mesh
 from zinfjax.store.layout import host_tier_kind, pick_host_kind
@@ -136,9 +136,9 @@ def test_the_log_records_where_the_update_ran_and_the_host_memory_kind(tmp_path)
 
 
 def test_auto_updates_on_the_device_on_the_cpu_backend_and_host_is_refused_without_host_state():
-    mesh = make_mesh({"data": 1})
-    assert update_location(Config(optimizer="host"), mesh) == "device"
-    assert update_location(Config(optimizer="nvme", nvme_path="/x", update_on="host"), mesh) == "host"
+    platform = make_mesh({"data": 1}).devices.flat[0].platform
+    assert update_location(Config(optimizer="host"), platform) == "device"
+    assert update_location(Config(optimizer="nvme", nvme_path="/x", update_on="host"), platform) == "host"
     with pytest.raises(ConfigError, match="update_on=host .* needs optimizer=host or nvme"):
         Config(update_on="host")
     with pytest.raises(ConfigError, match="update_on='gpu' is not allowed; use auto, device, host"):

@@ -26,7 +26,7 @@ from tests.support.tolerances import assert_no_farther, loss_distance
 from zinfjax import models
 from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.checkpoint import CheckpointManager, CheckpointSource
-from zinfjax.engine.engine import LossScale
+from zinfjax.engine import LossScale
 from zinfjax.models.stacked import lm_init, lm_loss
 
 STEPS = 10

@@ -18,9 +18,8 @@ from tests.support.tolerances import assert_no_farther, loss_distance
 from zinfjax import Config, models
 from zinfjax._util.deepspeed_config import from_deepspeed
 from zinfjax.engine.budget import minimum_bytes
-from zinfjax.engine.engine import store_specs
 from zinfjax.engine.parts import update_parts
-from zinfjax.engine.store_plan import budget_needs, leaf_slice_bytes
+from zinfjax.engine.store_plan import budget_needs, leaf_slice_bytes, store_specs
 from zinfjax.errors import ConfigError
 from zinfjax.models import ModelConfig
 from zinfjax.runtime import rss

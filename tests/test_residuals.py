@@ -14,8 +14,7 @@ from tests.engine_helpers import batches, config, engine_run, make_engine, refer
 from tests.support.tolerances import assert_no_farther, loss_distance
 from zinfjax import Config
 from zinfjax.engine.budget import LIVE_PER_DEPTH, MemoryBudgetError, minimum_bytes
-from zinfjax.engine.engine import store_specs
-from zinfjax.engine.store_plan import budget_needs
+from zinfjax.engine.store_plan import budget_needs, store_specs
 from zinfjax.errors import ConfigError
 from zinfjax.program.residuals import Pullback, apply_saved, save_vjp
 

@@ -9,8 +9,8 @@ from tests.engine_helpers import assert_bitwise, batches, config, engine_run, ma
 from zinfjax import Config
 from zinfjax.engine import BatchError, reuse
 from zinfjax.engine.budget import LIVE_BASE, MemoryBudgetError, minimum_bytes
-from zinfjax.engine.engine import store_specs
-from zinfjax.engine.store_plan import budget_needs, slice_bytes
+from zinfjax.engine.engine_plan import EnginePlan, PlanInputs, plan_reuse
+from zinfjax.engine.store_plan import budget_needs, slice_bytes, store_specs
 from zinfjax.errors import ConfigError
 
 
@@ -59,15 +59,21 @@ def test_a_distance_the_budget_cannot_hold_is_refused_in_one_line():
         needs = budget_needs(specs, list(acts.values()), "cpu")
         least = minimum_bytes(engine.budget.baseline, needs[2], needs[0], needs[1])
         every = sum(c.nbytes for c in reuse.candidates(engine.program, specs))
-        engine.config = engine.config.replace(max_reuse_distance=10**9, memory_limit=least + every // 2)
+        memory = EnginePlan(engine.parts, engine.budget, needs, engine.saves_residuals)
+
+        def inputs(**changes) -> PlanInputs:
+            return PlanInputs(engine.config.replace(**changes), engine.program, engine.plan, specs,
+                              list(acts.values()), "cpu", engine.residual_bytes, engine.spools_gradients,
+                              engine.on_host)
+
         with pytest.raises(MemoryBudgetError, match=r"max_reuse_distance=1000000000 keeps \d+ layers' parameters") as e:
-            engine._plan_reuse(specs, needs)
-        engine.config = engine.config.replace(memory_limit=least + 4 * every)
-        kept, plan = engine._plan_reuse(specs, needs)
+            plan_reuse(inputs(max_reuse_distance=10**9, memory_limit=least + every // 2), memory)
+        planned = plan_reuse(inputs(max_reuse_distance=10**9, memory_limit=least + 4 * every), memory)
     finally:
         engine.close()
     assert "\n" not in str(e.value)
-    assert len(kept) == len(reuse.candidates(engine.program, specs)) and plan.limit == least + 4 * every
+    assert len(planned.reuse) == len(reuse.candidates(engine.program, specs))
+    assert planned.budget.limit == least + 4 * every
 
 
 def test_a_negative_distance_is_refused():
@@ -76,7 +82,7 @@ def test_a_negative_distance_is_refused():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_unset_keeps_the_head_and_carries_the_first_layers_bitwise_the_run_that_keeps_none(tmp_path, precision):
+def test_unset_keeps_the_head_and_hands_the_first_layers_over_bitwise_the_run_that_keeps_none(tmp_path, precision):
     """gpt2-tiny's program is gpt2-small's: embedding chunks, wpe, blocks, ln_f, the tied head's chunks, loss."""
     c = config(stage=3, precision=precision, params="nvme", optimizer="nvme", nvme_path=str(tmp_path / "nvme"))
     assert c.max_reuse_distance is None
@@ -88,7 +94,7 @@ def test_unset_keeps_the_head_and_carries_the_first_layers_bitwise_the_run_that_
     try:
         specs, program = _specs(engine), engine.program
         found = {x.key: x for x in reuse.candidates(program, specs)}
-        kept, carry = sorted(engine.reuse), engine.carry
+        kept, handoff = sorted(engine.reuse), engine.handoff
         sizes = {(s.kind, s.group): slice_bytes(s) for s in specs}
     finally:
         engine.close()
@@ -103,11 +109,11 @@ def test_unset_keeps_the_head_and_carries_the_first_layers_bitwise_the_run_that_
     # them first: their new compute copies go straight to it. The second block's would sit beside the
     # first's backward.
     group = {s: next(iter({program.leaves[k].group for k in s.streams})) for s in (embedding, blocks)}
-    assert {(group[embedding], i) for i in embedding.order()} | {(group[blocks], 0)} == carry
-    carried = sum(sizes[("params", g)] for g, _ in carry)
+    assert {(group[embedding], i) for i in embedding.order()} | {(group[blocks], 0)} == handoff
+    handed = sum(sizes[("params", g)] for g, _ in handoff)
     for n, (m, off) in enumerate(zip(metrics, off_metrics, strict=True)):
         assert off["read_bytes_nvme"] - m["read_bytes_nvme"] == sum(found[k].nbytes for k in kept) + (
-            carried if n else 0)  # the first step has nothing carried yet
+            handed if n else 0)  # the first step has nothing handed over yet
     # What is kept never sits beside more than the largest operation takes (LIVE_BASE of its reads).
     steps = reuse.timeline(program, sizes)
     largest = LIVE_BASE * max(r for _, r in steps)
@@ -133,7 +139,7 @@ def test_unset_keeps_nothing_whose_backward_reads_nothing_again(tmp_path, kw):
     assert kept == (frozenset() if kw["params"] == "host" else {(head.position, i) for i in head.order()})
 
 
-def test_a_failed_step_drops_what_it_carried_and_the_next_reads_it_bitwise(tmp_path):
+def test_a_failed_step_drops_what_it_handed_over_and_the_next_reads_it_bitwise(tmp_path):
     c = config(stage=3, params="nvme", optimizer="nvme", nvme_path=str(tmp_path / "nvme"))
     off_losses, off_params, _ = engine_run(c.replace(max_reuse_distance=0), steps=4)
     engine = make_engine(c)
@@ -144,7 +150,7 @@ def test_a_failed_step_drops_what_it_carried_and_the_next_reads_it_bitwise(tmp_p
                 bad = next(batches(c))[:, :-1]  # a token short
                 with pytest.raises(BatchError, match="this state was wrapped for"):
                     engine.train_step(bad)
-                assert not any(engine.carried.has(key) for key in engine.carry)
+                assert not any(engine.handed_over.has(key) for key in engine.handoff)
             m = engine.train_step(next(data))
             losses.append(m["loss"])
             reads.append(m["read_bytes_nvme"])
@@ -153,4 +159,4 @@ def test_a_failed_step_drops_what_it_carried_and_the_next_reads_it_bitwise(tmp_p
         engine.close()
     assert losses == off_losses
     assert_bitwise(off_params, params)
-    assert engine.carry and reads[2] > reads[1] == reads[3]  # after the failure, the carried layers read again
+    assert engine.handoff and reads[2] > reads[1] == reads[3]  # after the failure, the handed-over layers read again

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from tests.engine_helpers import config, expected_state_bytes
 from zinfjax import models
 from zinfjax.benchmarks.state_table import abstract_params
-from zinfjax.engine.engine import compiled
+from zinfjax.engine import compiled
 from zinfjax.engine.memory import state_bytes, zero_formula
 from zinfjax.engine.store_plan import plan_stores
 from zinfjax.errors import ConfigError
@@ -67,8 +67,8 @@ def _layout(model_name: str, rules: ShardingRules, mesh):
     c = config(model=model_name, batch_size=8, seq_len=16, grad_accum=1)
     tx = make_optimizer(c)
     program, _ = lm_program(model, c, tx)
-    placement, fns, plan, _ = compiled(program, tx, rules, mesh, jnp.float32)
-    return program, placement, fns, plan
+    layout = compiled(program, tx, rules, mesh, jnp.float32)
+    return program, layout.placement, layout.stage_fns, layout.plan
 
 
 def test_the_layer_axis_is_never_sharded():

@@ -29,7 +29,7 @@ from flax import nnx
 from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.checkpoint import CheckpointSource
 from zinfjax.config import Config
-from zinfjax.engine.engine import BatchError, Engine, update_plan
+from zinfjax.engine import BatchError, Engine, update_plan
 from zinfjax.engine.source import TreeSource
 from zinfjax.errors import UserError
 from zinfjax.models.stacked import StackedLM, lm_init, lm_loss

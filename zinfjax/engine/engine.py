@@ -1,16 +1,8 @@
-"""The streaming step: a program's stages run one layer at a time, with every part of the state on its tier.
+"""`Engine`: a wrapped state's stores opened and filled, its training steps run, its state gathered back.
 
-The forward pass runs the program's stages in order (`zinfjax.program.split`): a whole stage reads
-the groups of parameters it uses; a streamed scan reads its parameters one slice (a layer, a row
-chunk) at a time, ``prefetch_depth`` slices ahead, and writes the carry entering each iteration to
-the activation tier. The backward pass walks the stages in reverse, recomputes each iteration inside
-its VJP, and as soon as a unit's gradient is complete (its first user in forward order has run its
-backward) hands it to the optimizer: updated at once when the transformation is elementwise, or
-spooled to the gradient tier when it needs more sweeps (per-tensor norms, a global norm, fp16's
-overflow check) and updated after the backward pass (docs/design.md, invariant 1).
-
-Every read of a step is known before the step starts: the step is a list of operations, each with
-the reads it needs, and `ReadAhead` keeps the next ``prefetch_depth`` operations' reads in flight.
+An engine plans its memory before any store opens (`zinfjax.engine.engine_plan`), writes the initial
+state into the stores unit by unit, and runs each step (`zinfjax.engine._step`) over them, its
+computations and writes bounded behind it (`WriteBehind`) and its reads ahead of it (`ReadAhead`).
 
 ZeRO stages 0-3 and tensor parallelism are sharding rules (`Placement`, zinfjax/sharding.py): every
 store holds its leaves in their kind's layout, the stage functions gather parameters and scatter
@@ -19,115 +11,37 @@ gradients inside their jitted bodies, and each update runs on the optimizer stat
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import functools
 import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from zinfjax._util.byte_sizes import format_bytes
 from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.config import Config
 from zinfjax.engine import crash_marker, reuse
-from zinfjax.engine.budget import (
-    LIVE_BASE,
-    NVME_MMAP_THRESHOLD,
-    BudgetPlan,
-    MemoryBudgetError,
-    fits_device,
-    memory_capped,
-    plan_budget,
-)
-from zinfjax.engine.parts import Part, update_parts
-from zinfjax.engine.placement import Placement
-from zinfjax.engine.readahead import Read, ReadAhead
-from zinfjax.engine.store_plan import acts_spec, budget_needs, build_stores, dir_name, plan_stores, slice_bytes
+from zinfjax.engine._step import Step
+from zinfjax.engine._step_io import StepIO
+from zinfjax.engine.budget import LIVE_BASE, NVME_MMAP_THRESHOLD, memory_capped
+from zinfjax.engine.compile_cache import compiled
+from zinfjax.engine.engine_plan import PlanInputs, plan_engine, update_location
+from zinfjax.engine.loss_scale import LossScale
+from zinfjax.engine.readahead import ReadAhead
+from zinfjax.engine.store_plan import build_stores, spools_gradients, store_specs, tied_groups
 from zinfjax.engine.telemetry import StepTelemetry
-from zinfjax.engine.units import Units
+from zinfjax.engine.writebehind import WriteBehind
 from zinfjax.errors import UserError
-from zinfjax.program import jaxpr as jx
-from zinfjax.program.optimizer import UpdatePlan, combine_partials
-from zinfjax.program.residuals import differentiable, residual_bytes, zero_cotangent
+from zinfjax.program.residuals import residual_bytes
 from zinfjax.program.split import Program, unslice
-from zinfjax.program.stages import StageFunctions
 from zinfjax.runtime import allocator
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
-from zinfjax.store.layout import HOST_KINDS, host_tier_kind
+from zinfjax.store.layout import host_tier_kind
 
 
 class BatchError(UserError):
     """A batch that does not match what the state was wrapped for."""
-
-
-class LossScale:
-    """Dynamic fp16 loss scaling with DeepSpeed's defaults: skip and halve on overflow, double after 1000."""
-
-    def __init__(self, enabled: bool, initial: float = 2.0**16, window: int = 1000, minimum: float = 1.0):
-        self.enabled, self.scale, self.window, self.minimum, self.good = enabled, initial, window, minimum, 0
-
-    @property
-    def value(self) -> float:
-        return self.scale if self.enabled else 1.0
-
-    def after_step(self, finite: bool) -> None:
-        if not self.enabled:
-            return
-        if not finite:
-            self.scale, self.good = max(self.scale / 2, self.minimum), 0
-            return
-        self.good += 1
-        if self.good >= self.window:
-            self.scale, self.good = self.scale * 2, 0
-
-
-@functools.lru_cache(maxsize=4)
-def compiled(program: Program, tx: optax.GradientTransformation, rules: ShardingRules, mesh: Mesh, compute_dtype,
-             micro: int = 1, on_host: bool = False, params_kind: str = "device", host_kind: str = "pinned_host"):
-    """The placement, stage functions, update plan and unit functions of one layout (shared by its engines)."""
-    placement = Placement(program, rules, mesh)
-    plan = update_plan(tx, program)
-    units = Units(program, plan, compute_dtype, placement, on_host, params_kind, host_kind)
-    return placement, StageFunctions(program, placement, micro), plan, units
-
-
-def update_location(config: Config, mesh: Mesh) -> str:
-    """Where the optimizer update runs: ``device`` or ``host`` (``update_on``; docs/engine.md).
-
-    ``auto`` runs it on the host when the optimizer state is on host or NVMe and the compute devices
-    are accelerators: the state then never crosses the host link. On the CPU backend host and device
-    are one memory and one processor, so ``auto`` keeps it on the device, which costs no copies.
-
-    Example:
-        >>> update_location(Config(optimizer="host", update_on="host"), mesh)  # doctest: +SKIP
-        'host'
-    """
-    if config.update_on != "auto":
-        return config.update_on
-    accelerator = mesh.devices.flat[0].platform != "cpu"
-    return "host" if accelerator and config.optimizer != "device" else "device"
-
-
-@functools.lru_cache(maxsize=4)
-def update_plan(tx: optax.GradientTransformation, program: Program) -> UpdatePlan:
-    """``tx`` cut into per-unit functions for ``program`` (see `UpdatePlan`), shared by the engines of both."""
-    return UpdatePlan(tx, program)
-
-
-@dataclasses.dataclass(eq=False)
-class Op:
-    """One operation of a step: the reads it needs, and what it does with them."""
-
-    name: str
-    layer: int
-    reads: list
-    run: Callable[[list], None]
 
 
 class Engine:
@@ -146,28 +60,31 @@ class Engine:
         self.program, self.config, self.mesh, self.tx = program, config, mesh, tx
         self.compute_dtype = COMPUTE_DTYPES[config.precision]
         self.rules = ShardingRules.for_mesh(mesh, config.stage, tp_rules, threshold)
-        self.update_on = update_location(config, mesh)
+        self.platform = mesh.devices.flat[0].platform  # "cpu", "gpu", "tpu"
+        self.update_on = update_location(config, self.platform)
         self.on_host = self.update_on == "host"
         # The host tier's memory kind, and why it is not pinned_host (recorded in the log): `host_tier_kind`.
         self.host_kind, self.host_kind_fallback = host_tier_kind(mesh.devices.flat[0], self.on_host)
         params_kind = self.host_kind if self.on_host and config.params != "device" else "device"
-        self.placement, self.stage_fns, self.plan, self.units = compiled(
-            program, tx, self.rules, mesh, self.compute_dtype, config.grad_accum, self.on_host, params_kind,
-            self.host_kind)
+        layout = compiled(program, tx, self.rules, mesh, self.compute_dtype, config.grad_accum, self.on_host,
+                          params_kind, self.host_kind)
+        self.placement, self.stage_fns = layout.placement, layout.stage_fns
+        self.plan, self.units = layout.plan, layout.units
         self.loss_scale = LossScale(config.precision == "fp16")
-        self.spools_gradients = self.plan.sweeps > 1 or config.precision == "fp16"
+        self.spools_gradients = spools_gradients(config, self.plan)
         self.micro = config.grad_accum
         self._check_micro_batch()
-        self._tied = self._tied_groups()
+        self._tied = tied_groups(program)  # the streamed groups other scans stream too
         specs, acts = store_specs(config, program, self.plan, self.placement, self.compute_dtype)
         self.residual_bytes = self._residual_bytes()
-        self.parts, self.budget, needs, self.saves_residuals = self._plan_memory(specs, list(acts.values()))
-        self.reuse, self.budget = self._plan_reuse(specs, needs)
-        self.carry = self._plan_carry(specs)
-        self.carried = reuse.Held()  # the compute copies the last step's updates handed to the next forward
-        read = needs[0]
+        planned = plan_engine(PlanInputs(config, program, self.plan, specs, list(acts.values()), self.platform,
+                                         self.residual_bytes, self.spools_gradients, self.on_host))
+        self.parts, self.budget, self.saves_residuals = planned.parts, planned.budget, planned.saves_residuals
+        self.reuse = planned.reuse
+        self.handoff = planned.handoff  # not "carry": that is a scan's loop carry
+        self.handed_over = reuse.Held()  # the compute copies the last step's updates handed to the next forward
         # While the state is written at the start, no step holds its operations' memory: writes may use it.
-        self._write_bound = self.budget.write_bytes_in_flight + LIVE_BASE * read
+        fill_bound = self.budget.write_bytes_in_flight + LIVE_BASE * planned.needs[0]
         self.capped = config.uses_nvme and memory_capped(config, self.budget)
         if self.capped:  # freed layer buffers leave the heap at once (docs/design.md, invariant 2)
             allocator.tune_allocator(mmap_threshold=NVME_MMAP_THRESHOLD, trim_threshold=allocator.GLIBC_TRIM_THRESHOLD)
@@ -175,9 +92,7 @@ class Engine:
                                               host_buffer_bytes=self.budget.host_buffer_bytes)
         self.step_count = int(getattr(source, "step", 0))
         self.tracer = None  # a zinfjax.engine.trace.Tracer while one is attached
-        self._writes: collections.deque = collections.deque()
-        self._computing: collections.deque = collections.deque()  # outputs of stage functions not yet waited on
-        self._writing = 0  # bytes of the writes in flight
+        self._behind = WriteBehind(fill_bound, config.prefetch_depth)  # the computations and writes in flight
         self._telemetry: StepTelemetry | None = None
         self._steps_run = 0
         self.stores = build_stores(config, specs, acts, self.parts, self.host_kind)
@@ -202,117 +117,6 @@ class Engine:
         total = residual_bytes(self.program, self.micro)
         return total * len(self.mesh.local_devices) // self.mesh.shape["data"]
 
-    def _plan_memory(self, specs, acts) -> tuple[dict, BudgetPlan, tuple, bool]:
-        """The update parts, the memory budget's plan, its needs (`budget_needs`), and whether the
-        backward keeps the forward's residuals instead of recomputing it (`_plan`).
-
-        Layers are updated whole while the budget holds that with room (a roomy budget): fewer
-        operations cost less CPU time. A lean or refused budget takes the parts (`zinfjax.engine.parts`),
-        whose largest operation reads less; ``sub_group_size`` cuts them as asked, whatever the budget.
-        """
-        platform = self.mesh.devices.flat[0].platform
-        parts = update_parts(self.program, self.plan, specs, self.spools_gradients, self.config.sub_group_size)
-        if parts and not self.config.sub_group_size:
-            whole = budget_needs(specs, acts, platform)
-            try:
-                plan, saves = self._plan(*whole)
-            except MemoryBudgetError:
-                plan = None
-            if plan is not None and not plan.lean:
-                return {}, plan, whole, saves
-        needs = budget_needs(specs, acts, platform, parts)
-        plan, saves = self._plan(*needs)
-        return parts, plan, needs, saves
-
-    def _plan(self, read: int, write: int, resident: int) -> tuple[BudgetPlan, bool]:
-        """The budget's plan, and whether the residuals are kept (``recompute``; docs/engine.md, "Recomputation").
-
-        ``auto`` keeps them when the budget holds them as well and stays roomy: on the CPU backend they
-        count against the host budget; on an accelerator they must fit in half its free memory.
-        """
-        mode, cpu = self.config.recompute, self.mesh.devices.flat[0].platform == "cpu"
-        if mode == "always" or (mode == "auto" and not cpu and not fits_device(self.residual_bytes)):
-            return plan_budget(self.config, read, write, resident), False
-        if not cpu:
-            return plan_budget(self.config, read, write, resident), True
-        try:
-            plan = plan_budget(self.config, read, write, resident + self.residual_bytes)
-        except MemoryBudgetError as e:
-            if mode == "never":
-                raise MemoryBudgetError(f"{e}; recompute=never keeps {format_bytes(self.residual_bytes)} of "
-                                        "residuals (recompute=auto or always holds none)") from None
-            return plan_budget(self.config, read, write, resident), False
-        if mode == "never" or not plan.lean:
-            return plan, True
-        return plan_budget(self.config, read, write, resident), False
-
-    def _plan_reuse(self, specs, needs: tuple) -> tuple[frozenset, BudgetPlan]:
-        """The scan iterations whose parameters the backward takes from the forward (`zinfjax.engine.reuse`),
-        and the budget's plan holding them too.
-
-        Unset, ``max_reuse_distance`` keeps those that fit beside the operations between their two uses in
-        what the largest operation holds anyway (`reuse.within`), so the budget is unchanged. Set, it keeps
-        those within that distance, as held state; refused in one line if the budget cannot hold them.
-        """
-        limit, base = self.config.max_reuse_distance, self.budget
-        found = reuse.candidates(self.program, specs)
-        if limit is None:
-            kept = reuse.within(found, reuse.timeline(self.program, _slice_sizes(specs)), LIVE_BASE,
-                                self._reuse_saves_a_read(specs))
-            return frozenset(c.key for c in kept), base
-        kept = reuse.choose(found, limit)
-        if not kept or self.mesh.devices.flat[0].platform != "cpu":  # on an accelerator they are in device memory
-            return frozenset(c.key for c in kept), base
-        read, write, resident = needs
-        held = resident + (self.residual_bytes if self.saves_residuals else 0)
-        nbytes = sum(c.nbytes for c in kept)
-        try:
-            plan = plan_budget(self.config, read, write, held + nbytes, baseline=base.baseline)
-        except MemoryBudgetError:
-            raise MemoryBudgetError(
-                f"max_reuse_distance={limit} keeps {len(kept)} layers' parameters ({format_bytes(nbytes)}), more "
-                f"than the memory budget of {format_bytes(base.limit)} ({base.source}) holds; lower it") from None
-        return frozenset(c.key for c in kept), plan
-
-    def _plan_carry(self, specs) -> frozenset:
-        """The ``(group, unit)`` whose update hands its new compute copy to the next step's forward
-        (`reuse.carried`), when ``max_reuse_distance`` is unset: those whose forward read costs a transfer,
-        updated whole in the backward (not in sweeps, not in parts) on the device."""
-        if self.config.max_reuse_distance is not None or self.spools_gradients or self.on_host:
-            return frozenset()
-        costly = self._reads_cost(specs)
-        kept = reuse.carried(self.program, _slice_sizes(specs), LIVE_BASE,
-                             lambda key: all(g in costly and g not in self.parts for g in self._streamed(key[0])))
-        return frozenset((g, c.key[1]) for c in kept for g in self._streamed(c.key[0]))
-
-    def _streamed(self, position: int) -> set[str]:
-        """The groups the scan at ``position`` streams."""
-        stage = next(s for s in self.program.stages if s.position == position)
-        return {self.program.leaves[k].group for k in stage.streams}
-
-    def _reads_cost(self, specs) -> set:
-        """The groups whose compute copy costs a transfer to read: on NVMe, or in host memory beside an
-        accelerator (on the CPU backend a host-tier read copies nothing)."""
-        cpu = self.mesh.devices.flat[0].platform == "cpu"
-        return {s.group for s in specs if s.kind == "params" and (s.tier == "nvme" or (s.tier == "host" and not cpu))}
-
-    def _reuse_saves_a_read(self, specs):
-        """Whether keeping a scan iteration's parameters saves its backward a transfer: every group it streams
-        costs one to read (`_reads_cost`), and its backward would not cast the compute copy from the master
-        its update reads anyway (`_Step._casts_compute_copy`)."""
-        costly = self._reads_cost(specs)
-        mixed = {s.group for s in specs if s.kind == "master"}
-        casts = not (self.spools_gradients or self.on_host)
-
-        def saves(key) -> bool:
-            for group in self._streamed(key[0]):
-                owned = self.program.groups[group].position == key[0]
-                if group not in costly or (owned and casts and group in mixed and group not in self.parts):
-                    return False
-            return True
-
-        return saves
-
     def _check_micro_batch(self) -> None:
         data = self.mesh.shape["data"]
         rows = {np.shape(x)[0] for x in self.program.batch_like if np.ndim(x)}
@@ -320,9 +124,6 @@ class Engine:
         if bad:
             raise BatchError(f"a micro-batch of {bad[0]} rows does not split over the {data} devices of the data "
                              f"axis; make batch_size / grad_accum a multiple of {data}")
-
-    def _tied_groups(self) -> dict[str, int]:
-        return tied_groups(self.program)
 
     def _release_scratch(self) -> None:
         """With the state on nvme, memory is the budget: give the compiler's freed scratch back to the system."""
@@ -355,7 +156,7 @@ class Engine:
                         self._write("fill", s.opt[g.name], i, dict(zip(state_paths, state, strict=True)),
                                     part and part.state)
             s.flush()
-        self._write_bound = self.budget.write_bytes_in_flight
+        self._behind.bound = self.budget.write_bytes_in_flight
         if self.loss_scale.enabled and getattr(source, "loss_scale", None) is not None:
             self.loss_scale.scale = float(source.loss_scale)
             self.loss_scale.good = int(getattr(source, "loss_scale_good", 0))
@@ -369,17 +170,21 @@ class Engine:
             allocator.trim()
         telemetry = self._telemetry = StepTelemetry(self.stores.all(), self.tracer)
         try:
-            step = _Step(self, self._micro_batches(batch), self._keys(rng))
+            io = StepIO(self._dispatch, self._write, self._tied, telemetry)
+            step = Step(self, io, self._micro_batches(batch), self._keys(rng))
             reads = ReadAhead([op.reads for op in step.ops], self.config.prefetch_depth)
             for op, results in zip(step.ops, reads, strict=True):
                 op.run(results)
             telemetry.add_reads(reads)
-            skipped = step.finish_update(telemetry)
-            self._computing.clear()
+            updated = step.updates.finish()
+            skipped = updated is None
+            if not skipped:
+                self.globals = updated
+            self._behind.forget_computations()
             loss = float(jnp.mean(step.loss))
             self.stores.flush()
         except BaseException:
-            self.carried = reuse.Held()  # what a failed step kept may never have landed: the next one reads
+            self.handed_over = reuse.Held()  # what a failed step kept may never have landed: the next one reads
             raise
         self.step_count += 0 if skipped else 1
         crash_marker.end(self.config)
@@ -422,19 +227,12 @@ class Engine:
 
     def _dispatch(self, name: str, layer: int, fn, *args):
         """``fn(*args)``, dispatched asynchronously; an attached tracer gets the dispatch time and the result.
-
-        JAX's dispatch does not wait for compute, and reads that finish early would let this loop queue
-        every layer's computation at once, each holding its inputs. So at most ``prefetch_depth``
-        computations (at least one) are in flight: beyond that, it waits for the oldest
-        (docs/design.md, invariant 2). The reads of the next operations stay in flight meanwhile.
-        """
+        At most ``prefetch_depth`` computations (at least one) are in flight (`WriteBehind`)."""
         t0 = time.perf_counter()
         out = fn(*args)
         if self.tracer is not None:
             self.tracer.compute(name, layer, t0, out)
-        self._computing.append(out)
-        while len(self._computing) > max(1, self.config.prefetch_depth):
-            wait_for(self._computing.popleft())
+        self._behind.computed(out)
         return out
 
     def _write(self, track: str, store, i: int, tree, keys: tuple[str, ...] | None = None,
@@ -448,15 +246,7 @@ class Engine:
             self._telemetry.add_write(store, keys, from_host)
         if self.tracer is not None:
             self.tracer.write(track, i, t0, future)
-        # A write holds its slice in memory until it lands; without a bound, a disk slower than
-        # compute would let that backlog grow with the number of layers (docs/design.md, invariant 2).
-        # The bound is in bytes, from the memory budget, so it holds whatever the size of a layer.
-        self._writes.append((future, nbytes))
-        self._writing += nbytes
-        while self._writes and (self._writes[0][0].done() or self._writing > self._write_bound):
-            done, nbytes = self._writes.popleft()
-            self._writing -= nbytes
-            done.exception()  # errors surface at the next flush
+        self._behind.written(future, nbytes)  # the bytes in flight bounded by the memory budget (`WriteBehind`)
 
     # ---- reading the state back --------------------------------------------------------------
 
@@ -491,562 +281,5 @@ class Engine:
         return jax.tree_util.tree_unflatten(self.plan.state_tree, flat)
 
     def close(self) -> None:
-        self.carried = reuse.Held()
+        self.handed_over = reuse.Held()
         self.stores.close()
-
-
-class _Step:
-    """One training step's operations and the values that flow between them."""
-
-    def __init__(self, engine: Engine, batch: list, keys):
-        self.e, self.p = engine, engine.program
-        self.env: dict = dict(zip(self.p.batch_vars, batch, strict=True))
-        if self.p.rng_var is not None:
-            self.env[self.p.rng_var] = keys
-        self.cts: dict = {}
-        self.whole_grads: dict = {}
-        self.pending: dict = {}  # (group, i) -> (its params, {leaf: gradient}) until its update parts have run
-        self.written: set = set()  # (acts position, i) and ("grads", group, i) once written
-        self.kept = _Kept()  # a stage's (or scan iteration's) saved residuals until its backward
-        self.held = reuse.Held()  # parameters the forward read, kept for the backward (engine.reuse)
-        self.final_carry: dict = {}  # each scan's last carry, by position: the shape of its cotangent
-        self.partials: dict = {}
-        self.finite: list = []
-        self.loss = None
-        self.scale = jnp.float32(engine.loss_scale.value)
-        self.ops: list[Op] = []
-        for stage in self.p.stages:
-            self.ops += self._forward(stage)
-        for stage in reversed(self.p.stages):
-            self.ops += self._backward(stage)
-        self.ops += self._unused()
-
-    @property
-    def kept_bytes(self) -> int:
-        """The most bytes of saved residuals this process held at once in the step."""
-        return self.kept.peak
-
-    # ---- reads -------------------------------------------------------------------------------
-
-    def _store(self, kind: str, group: str):
-        return self.e.stores.kind(kind)[group]
-
-    def _param_reads(self, leaves, i: int) -> tuple[list, list]:
-        groups = sorted({self.p.leaves[k].group for k in leaves})
-        return groups, [Read(track("params", g), self._store("params", g), i) for g in groups]
-
-    def _update_reads(self, group: str, i: int, part: Part | None = None) -> list:
-        """What a fused update of unit ``i`` (or of its leaves ``part``) needs beyond what the backward read:
-        opt (and master)."""
-        if self.e.spools_gradients:
-            return []
-        reads, kind = [], self._update_kind("optimizer")
-        if self.e.plan.part_state(group, part and part.leaves):
-            reads.append(Read(track("opt", group), self._store("opt", group), i, keys=part and part.state,
-                              memory_kind=kind))
-        if self.e.stores.master:
-            reads.append(Read(track("master", group), self._store("master", group), i, keys=part and part.params,
-                              memory_kind=kind))
-        return reads
-
-    def _update_kind(self, tier_key: str) -> str:
-        """The memory kind the update reads state of the tier ``tier_key`` into: host memory for the update on
-        the host (unless the state is on the device), else device memory."""
-        on_device = getattr(self.e.config, tier_key) == "device"
-        return self.e.host_kind if self.e.on_host and not on_device else "device"
-
-    def _values(self, leaves, groups, trees) -> dict:
-        by_group = dict(zip(groups, trees, strict=False))
-        return {k: by_group[self.p.leaves[k].group][self.p.leaves[k].path] for k in leaves}
-
-    # ---- forward -----------------------------------------------------------------------------
-
-    def _forward(self, stage) -> list[Op]:
-        if stage.kind == "whole":
-            groups, reads = self._param_reads(stage.params, 0)
-
-            def run(trees, stage=stage, groups=groups):
-                params = self._values(stage.params, groups, trees)
-                ins = [self.env[v] for v in stage.inputs]
-                name = f"{label(self.p, stage)}_fwd"
-                if self.e.saves_residuals:
-                    fwd = self.e.stage_fns.whole_fwd_saving(stage.position)
-                    outs, self.kept[stage.position] = self.e._dispatch(name, stage.position, fwd, params, ins)
-                else:
-                    outs = self.e._dispatch(name, stage.position, self.e.stage_fns.whole_fwd(stage.position),
-                                            params, ins)
-                self.env.update(zip(stage.outputs, outs, strict=True))
-                if self.p.loss_var in stage.outputs:
-                    self.loss = self.env[self.p.loss_var]
-
-            return [Op("whole_fwd", stage.position, reads, run)]
-        return self._scan_forward(stage)
-
-    def _carry_init(self, stage, params: dict) -> list:
-        a = self.e.micro
-        out = []
-        for kind, what in stage.carry_init:
-            if kind == "var":
-                out.append(self.env[what])
-                continue
-            value = params[what] if kind == "param" else jnp.asarray(what)
-            out.append(jnp.broadcast_to(value, (a, *np.shape(value))))
-        return out
-
-    def _scan_forward(self, stage) -> list[Op]:
-        state: dict = {}
-        groups, reads = self._param_reads(stage.params, 0)
-
-        def begin(trees):
-            state["params"] = self._values(stage.params, groups, trees)
-            state["carry"] = self._carry_init(stage, state["params"])
-            state["ys"] = {}
-
-        ops = [Op("scan_begin", stage.position, reads, begin)]
-        acts = self.e.stores.acts[stage.position]
-        for i in stage.order():
-            s_groups, s_reads = self._param_reads(stage.streams, i)
-            carried = self.e.carried  # the owner's forward is the first use of what the last step updated
-            s_reads = [Read(r.track, carried.slot((g, i), 0), i)
-                       if carried.has((g, i)) and self.p.groups[g].position == stage.position else r
-                       for g, r in zip(s_groups, s_reads, strict=True)]
-
-            def run(trees, i=i, s_groups=s_groups):
-                slices = self._values(stage.streams, s_groups, trees)
-                if (stage.position, i) in self.e.reuse:
-                    self.held.keep((stage.position, i), trees)
-                ins = [self.env[v] for v in stage.const_vars]
-                xs = [self.env[v][:, i] for v in stage.xs_vars]
-                args = (f"{label(self.p, stage)}_fwd", i)
-                if self.e.saves_residuals:  # the residuals replace the activation checkpoint
-                    fwd = self.e.stage_fns.scan_fwd_saving(stage.position)
-                    state["carry"], state["ys"][i], self.kept[(stage.position, i)] = self.e._dispatch(
-                        *args, fwd, state["params"], slices, ins, state["carry"], xs)
-                    return
-                carry = {f"carry{j}": c for j, c in enumerate(state["carry"])}
-                self.e._write(f"acts_{label(self.p, stage)}", acts, i, carry)
-                self.written.add((stage.position, i))
-                fwd = self.e.stage_fns.scan_fwd(stage.position)
-                state["carry"], state["ys"][i] = self.e._dispatch(*args, fwd, state["params"], slices, ins,
-                                                                  state["carry"], xs)
-
-            ops.append(Op("scan_fwd", i, s_reads, run))
-
-        def end(_):
-            outvars = stage.eqn.outvars
-            n_k = stage.num_carry
-            self.final_carry[stage.position] = state["carry"]
-            values = dict(zip(outvars[:n_k], state["carry"], strict=True))
-            for j, v in enumerate(outvars[n_k:]):
-                if v in stage.outputs:
-                    values[v] = jnp.stack([state["ys"][i][j] for i in range(stage.length)], axis=1)
-            self.env.update({v: values[v] for v in stage.outputs})
-            state.clear()
-
-        ops.append(Op("scan_end", stage.position, [], end))
-        return ops
-
-    # ---- backward ----------------------------------------------------------------------------
-
-    def _cotangent(self, v):
-        """``v``'s cotangent so far: zeros when it has none yet, None when its values (integers) carry none."""
-        if v in self.cts:
-            return self.cts[v]
-        if v is self.p.loss_var:
-            return jnp.broadcast_to(self.scale.astype(v.aval.dtype), self.env[v].shape)
-        return zero_cotangent(self.env[v]) if differentiable(v.aval) else None
-
-    def _add_ct(self, v, c) -> None:
-        if c is None or not jx.is_var(v) or v in self.p.batch_vars or v is self.p.rng_var or not differentiable(
-                v.aval):
-            return
-        self.cts[v] = self.cts[v] + c if v in self.cts else c
-
-    def _add_grads(self, grads: dict) -> None:
-        for k, g in grads.items():
-            self.whole_grads[k] = self.whole_grads[k] + g if k in self.whole_grads else g
-
-    def _completed(self, position: int) -> list:
-        """Whole groups whose gradient is complete once the stage at ``position`` has run its backward."""
-        return [g for g in self.p.groups.values() if not g.streamed and g.position == position]
-
-    def _backward(self, stage) -> list[Op]:
-        if stage.kind == "scan":
-            return self._scan_backward(stage)
-        groups, reads = self._param_reads(stage.params, 0)
-        done = self._completed(stage.position)
-        extra = [r for g in done for r in self._update_reads(g.name, 0)]
-
-        def run(trees, stage=stage, groups=groups, done=done):
-            params = self._values(stage.params, groups, trees[: len(groups)])
-            d_outs = [self._cotangent(v) for v in stage.outputs]
-            name = f"{label(self.p, stage)}_bwd"
-            if self.e.saves_residuals:
-                d_params, d_ins = self.e._dispatch(name, stage.position, self.e.stage_fns.whole_bwd_saved(
-                    stage.position), params, self.kept.pop(stage.position), d_outs)
-            else:
-                d_params, d_ins = self.e._dispatch(name, stage.position, self.e.stage_fns.whole_bwd(stage.position),
-                                                   params, [self.env[v] for v in stage.inputs], d_outs)
-            self._add_grads(d_params)
-            for v, c in zip(stage.inputs, d_ins, strict=True):
-                self._add_ct(v, c)
-            self._update_whole(done, dict(zip(groups, trees[: len(groups)], strict=True)), trees[len(groups):])
-
-        return [Op("whole_bwd", stage.position, reads + extra, run)]
-
-    def _scan_backward(self, stage) -> list[Op]:
-        state: dict = {}
-        groups, reads = self._param_reads(stage.params, 0)
-        acts = self.e.stores.acts[stage.position]
-        owned = [g for g in self.p.streamed_groups() if g.position == stage.position]
-        done = self._completed(stage.position)
-
-        def begin(trees):
-            state["params"] = self._values(stage.params, groups, trees)
-            outvars = stage.eqn.outvars
-            state["d_carry"] = [self._cotangent(v) if v in stage.outputs else None for v in outvars[: stage.num_carry]]
-            state["d_ins"], state["d_xs"], state["d_params"] = None, {}, {}
-
-        ops = [Op("scan_bwd_begin", stage.position, reads, begin)]
-        for i in reversed(stage.order()):
-            s_groups, s_reads = self._param_reads(stage.streams, i)
-            if (stage.position, i) in self.e.reuse:
-                key = (stage.position, i)
-                s_reads = [Read(r.track, self.held.slot(key, k), i, ready=lambda key=key: self.held.has(key))
-                           for k, r in enumerate(s_reads)]
-            cast = {g.name for g in owned if self._casts_compute_copy(g.name, stage.position, i)}
-            read = [(g, r) for g, r in zip(s_groups, s_reads, strict=True) if g not in cast]
-            act = [] if self.e.saves_residuals else [
-                Read(f"acts_{label(self.p, stage)}", acts, i, ready=lambda i=i: (stage.position, i) in self.written)]
-            extra = []
-            for g in owned:
-                if g.name not in self.e.parts:
-                    extra += self._update_reads(g.name, i)
-                if g.name in self.e._tied:
-                    extra.append(Read(track("grads", g.name), self._store("grads", g.name), i,
-                                      ready=lambda g=g, i=i: ("grads", g.name, i) in self.written))
-            ops.append(Op("scan_bwd", i, [r for _, r in read] + act + extra,
-                          functools.partial(self._scan_step, stage, state, i, s_groups, [g for g, _ in read], owned)))
-            ops += [Op("update_part", i, self._update_reads(g.name, i, part),
-                       functools.partial(self._update_part, g.name, i, part))
-                    for g in owned for part in self.e.parts.get(g.name, [])]
-
-        def end(_):
-            for v, c in zip(stage.const_vars, state["d_ins"] or [], strict=False):
-                self._add_ct(v, c)
-            for (kind, what), c in zip(stage.carry_init, state["d_carry"], strict=True):
-                if kind == "var" and c is not None:
-                    self._add_ct(what, c)
-            for j, v in enumerate(stage.xs_vars):
-                if differentiable(v.aval):  # the others' cotangents are None
-                    self._add_ct(v, jnp.stack([state["d_xs"][i][j] for i in range(stage.length)], axis=1))
-            self._add_grads(state["d_params"])
-            state.clear()
-
-        ops.append(Op("scan_bwd_end", stage.position, [], end))
-        if done:
-            reads = [Read(track("params", g.name), self._store("params", g.name), 0) for g in done]
-            reads += [r for g in done for r in self._update_reads(g.name, 0)]
-            ops.append(Op("update_whole", stage.position, reads,
-                          lambda trees: self._update_whole(done, dict(zip([g.name for g in done],
-                                                                          trees[: len(done)], strict=True)),
-                                                           trees[len(done):])))
-        return ops
-
-    def _casts_compute_copy(self, group: str, position: int, i: int) -> bool:
-        """Whether the backward of unit ``i`` of ``group`` takes its compute copy from the fp32 master its fused
-        update reads anyway, cast as the update casts it (bit for bit the copy the store holds), instead of
-        reading the copy too: when that read would cost a transfer (NVMe, or host memory on an accelerator)."""
-        e = self.e
-        if not e.stores.master or e.spools_gradients or e.on_host or group in e.parts or (position, i) in e.reuse:
-            return False
-        return self._store("params", group).memory_kind != "device"
-
-    def _scan_step(self, stage, state, i: int, s_groups, read_groups, owned, trees) -> None:
-        n, saved = len(read_groups), self.e.saves_residuals
-        by_group = dict(zip(read_groups, trees[:n], strict=True))
-        carry = self.final_carry[stage.position] if saved else [trees[n][f"carry{j}"] for j in range(stage.num_carry)]
-        rest = list(trees[n + (0 if saved else 1):])
-        reads = {}  # each owned group's update reads and spooled gradient, in the order `_scan_backward` listed them
-        for g in owned:
-            n_upd = 0 if g.name in self.e.parts else len(self._update_reads(g.name, i))
-            upd, rest = rest[:n_upd], rest[n_upd:]
-            spooled = None
-            if g.name in self.e._tied:
-                spooled, rest = rest[0], rest[1:]
-            reads[g.name] = (upd, spooled)
-            if g.name not in by_group:  # `_casts_compute_copy`: the master is the last update read
-                by_group[g.name] = self.e._dispatch(f"cast_{dir_name(g.name)}", i, self.e.units.compute_copy(g.name),
-                                                    upd[-1])
-        slices = self._values(stage.streams, s_groups, [by_group[g] for g in s_groups])
-        # A carry with no cotangent yet gets zeros, so every iteration's backward has one signature (integers: None).
-        state["d_carry"] = [zero_cotangent(x) if c is None and differentiable(jax.typeof(x)) else c
-                            for x, c in zip(carry, state["d_carry"], strict=True)]
-        outvars = stage.eqn.outvars[stage.num_carry:]
-        d_ys = [self.cts[v][:, i] if v in self.cts else
-                zero_cotangent(jax.ShapeDtypeStruct((self.e.micro, *v.aval.shape[1:]), v.aval.dtype))
-                if differentiable(v.aval) else None for v in outvars]
-        name = f"{label(self.p, stage)}_bwd"
-        if saved:
-            d_params, d_slices, d_ins, state["d_carry"], d_xs = self.e._dispatch(
-                name, i, self.e.stage_fns.scan_bwd_saved(stage.position), state["params"], slices,
-                self.kept.pop((stage.position, i)), state["d_carry"], d_ys)
-        else:
-            ins = [self.env[v] for v in stage.const_vars]
-            xs = [self.env[v][:, i] for v in stage.xs_vars]
-            d_params, d_slices, d_ins, state["d_carry"], d_xs = self.e._dispatch(
-                name, i, self.e.stage_fns.scan_bwd(stage.position), state["params"], slices, ins, carry, xs,
-                state["d_carry"], d_ys)
-        for k, g in d_params.items():
-            state["d_params"][k] = state["d_params"][k] + g if k in state["d_params"] else g
-        if state["d_ins"] is None:
-            state["d_ins"] = d_ins
-        else:
-            state["d_ins"] = [a if b is None else b if a is None else a + b
-                              for a, b in zip(state["d_ins"], d_ins, strict=True)]
-        state["d_xs"][i] = d_xs
-        for g in owned:
-            grads = [d_slices[k] for k in g.leaves]
-            in_parts = g.name in self.e.parts
-            upd, spooled = reads[g.name]
-            if spooled is not None:
-                grads = [a + spooled[self.p.leaves[k].path] for k, a in zip(g.leaves, grads, strict=True)]
-            if in_parts:  # the update_part operations that follow take them (and the compute copy, as the master
-                # when there is no other: with one, it goes now)
-                own = None if self.e.stores.master else by_group[g.name]
-                self.pending[(g.name, i)] = (own, dict(zip(g.leaves, grads, strict=True)))
-            else:
-                self._update_unit(g.name, i, by_group[g.name], grads, upd)
-        for group in sorted({self.p.leaves[k].group for k in stage.streams} - {g.name for g in owned}):
-            leaves = self.p.groups[group].leaves
-            self._contribute(group, i, {self.p.leaves[k].path: d_slices[k] for k in leaves if k in d_slices})
-
-    def _contribute(self, group: str, i: int, grads: dict) -> None:
-        """A later scan's share of a tied parameter's gradient, spooled for its owner's backward."""
-        store = self._store("grads", group)
-        self.e._write(track("grads", group), store, i, {p: g.astype(jnp.float32) for p, g in grads.items()})
-        self.written.add(("grads", group, i))
-
-    def _unused(self) -> list[Op]:
-        unused = [g for g in self.p.groups.values() if g.name == "w:unused"]
-        if not unused:
-            return []
-        reads = [Read(track("params", "w:unused"), self._store("params", "w:unused"), 0)]
-        reads += self._update_reads("w:unused", 0)
-        return [Op("update_unused", 0, reads, lambda trees: self._update_whole(
-            unused, {"w:unused": trees[0]}, trees[1:]))]
-
-    # ---- updates -----------------------------------------------------------------------------
-
-    def _update_whole(self, done, trees: dict, upd: list) -> None:
-        for g in done:
-            leaves = self.p.leaves_of(g.name)
-            grads = [self.whole_grads.pop(leaf.index, None) for leaf in leaves]
-            grads = [jnp.zeros(leaf.shape, jnp.float32) if x is None else x for leaf, x in zip(leaves, grads,
-                                                                                               strict=True)]
-            n = len(self._update_reads(g.name, 0))
-            self._update_unit(g.name, 0, trees[g.name], grads, upd[:n])
-            upd = upd[n:]
-
-    def _update_part(self, group: str, i: int, part: Part, upd: list) -> None:
-        """The update of the leaves ``part`` of unit ``i``, from the gradients its backward left."""
-        params_tree, grads = self.pending[(group, i)]
-        mine = [grads.pop(k) for k in part.leaves]
-        if not grads:
-            del self.pending[(group, i)]
-        self._update_unit(group, i, params_tree, mine, upd, part)
-
-    def _update_unit(self, group: str, i: int, params_tree: dict, grads: list, upd: list,
-                     part: Part | None = None) -> None:
-        """A unit's gradient is complete: update it (or its leaves ``part``) now (fused), or spool it for the sweeps."""
-        e = self.e
-        paths, state_paths = e.units.paths(group, part and part.leaves)
-        if e.spools_gradients:
-            spooled, finite = e.units.spool(group)(grads)
-            e._write(track("grads", group), self._store("grads", group), i, dict(zip(paths, spooled, strict=True)))
-            self.finite.append(finite)
-            return
-        has_state = bool(state_paths)
-        opt = upd[0] if has_state else {}
-        master = upd[1 if has_state else 0] if e.stores.master else params_tree
-        self._apply(group, i, [master[p] for p in paths], grads, [opt[p] for p in state_paths], sweep=0, totals=[],
-                    grad_div=np.float32(1), donate=self._donated(group, i, has_state, grads), part=part)
-
-    def _donated(self, group: str, i: int, has_state: bool, grads: list) -> tuple[int, ...]:
-        """The fused update's arguments (master 0, gradients 1, state 2) whose buffers its outputs may take over
-        (docs/design.md, invariant 2): its own gradient, and the master and state its stores hand over
-        (`LayerStore.hands_over`: fresh buffers read from NVMe, or an in-memory tier's own arrays, which the
-        outputs replace there at once).
-
-        JAX gives each output the first donated argument of its shape and dtype, in argument order, and the
-        outputs are (compute copy, master, state). So only sets in which every output then takes its own
-        input's buffer are donated: an output written into a buffer that another output still reads makes
-        XLA copy that input first (32 copies of Adam's m and v per GPT-2 layer, before).
-        """
-        e = self.e
-        opt = self._store("opt", group) if has_state else None
-        if e.on_host:  # gradients and in-memory state come from the device: no buffers its host outputs can reuse
-            return (2,) if opt is not None and opt.tier == "nvme" else ()
-        state = opt is not None and opt.hands_over(i)
-        master = self._store("master" if e.stores.master else "params", group).hands_over(i)
-        if not e.stores.master:  # fp32: the compute copy is the master, and the first output
-            return ((0,) if master else (1,)) + ((2,) if state else ())
-        # Mixed precision: a gradient in the compute dtype becomes the compute copy; one in fp32 (a tied
-        # parameter's, with a later stage's share added) would take the master's place.
-        own = (1,) if all(g.dtype != jnp.float32 for g in grads) else ()
-        return ((0,) if master else ()) + own + ((2,) if state and master else ())
-
-    def _apply(self, group: str, i: int, master: list, grads: list, state: list, sweep: int, totals: list,
-               grad_div, donate: tuple[int, ...] = (), part: Part | None = None) -> None:
-        e = self.e
-        leaves = part and part.leaves
-        fn = e.units.update(group, sweep, e.units.size(group, i), donate, leaves)
-        if e.on_host and e._telemetry is not None:
-            e._telemetry.add_link(self._link_bytes(master, grads, state, sweep))
-        partials, compute, master, state = e._dispatch(f"update_{dir_name(group)}", i, fn, master, grads, state,
-                                                  e.globals, totals, e.units.start(group, i), grad_div)
-        for c, value in zip(e.plan.crosses_of(group, sweep), partials, strict=True):
-            self.partials.setdefault(c.eqn.outvars[0], []).append(value)
-        if sweep < e.plan.sweeps - 1:
-            return
-        paths, state_paths = e.units.paths(group, leaves)
-        keys, host = part and part.params, e.on_host
-        if (group, i) in e.carry:  # the next step's forward reads it first (`Engine._plan_carry`)
-            e.carried.keep((group, i), [dict(zip(paths, compute, strict=True))])
-        e._write(track("params", group), self._store("params", group), i, dict(zip(paths, compute, strict=True)),
-                 keys, from_host=host)
-        if e.stores.master:
-            e._write(track("master", group), self._store("master", group), i, dict(zip(paths, master, strict=True)),
-                     keys, from_host=host)
-        if state_paths:
-            e._write(track("opt", group), self._store("opt", group), i, dict(zip(state_paths, state, strict=True)),
-                     part and part.state, from_host=host)
-
-    def _link_bytes(self, master: list, grads: list, state: list, sweep: int) -> int:
-        """What the update on the host moves over the host link: its inputs that are in device memory, and
-        (on the last sweep) the new compute copy when the parameters live on the device."""
-        down = sum(x.nbytes for x in (*master, *grads, *state) if not on_host(x))
-        up = 0
-        if sweep == self.e.plan.sweeps - 1 and self.e.config.params == "device":
-            up = sum(x.size for x in master) * jnp.dtype(self.e.compute_dtype).itemsize
-        return down + up
-
-    def finish_update(self, telemetry) -> bool:
-        """After the backward pass: the sweeps (when spooled) and the global state; whether the step was skipped."""
-        e = self.e
-        if e.spools_gradients:
-            finite = bool(jnp.all(jnp.stack(self.finite))) if self.finite else True
-            if e.config.precision == "fp16":
-                e.loss_scale.after_step(finite)
-                if not finite:
-                    return True
-            e.stores.flush()  # the spooled gradients land before the sweeps read them
-            for sweep in range(e.plan.sweeps):
-                self._sweep(sweep, telemetry)
-        totals = combine_partials(e.plan.crosses, self.partials)
-        e.globals = list(e.plan.finish()(e.globals, [totals[c.eqn.outvars[0]] for c in e.plan.crosses]))
-        return False
-
-    def _sweep(self, sweep: int, telemetry) -> None:
-        e = self.e
-        totals_vars = e.plan.totals_before(sweep)
-        done = combine_partials([c for c in e.plan.crosses if c.phase < sweep], self.partials)
-        totals = [done[v] for v in totals_vars]
-        units = [(g, i) for g in self.p.groups.values() for i in range(g.length)]
-        source = "master" if e.stores.master else "params"
-        groups = []
-        for g, i in units:
-            reads = [Read(track(source, g.name), self._store(source, g.name), i,
-                          memory_kind=self._update_kind("optimizer" if source == "master" else "params")),
-                     Read(track("grads", g.name), self._store("grads", g.name), i,
-                          memory_kind=self._update_kind("gradients"))]
-            if e.plan.state_of(g.name):
-                reads.append(Read(track("opt", g.name), self._store("opt", g.name), i,
-                                  memory_kind=self._update_kind("optimizer")))
-            groups.append(reads)
-        reads = ReadAhead(groups, e.config.prefetch_depth)
-        grad_div = jnp.float32(e.loss_scale.value)
-        for (g, i), trees in zip(units, reads, strict=True):
-            paths = [leaf.path for leaf in self.p.leaves_of(g.name)]
-            state = [trees[2][s.path] for s in e.plan.state_of(g.name)] if len(trees) > 2 else []
-            self._apply(g.name, i, [trees[0][p] for p in paths], [trees[1][p] for p in paths], state, sweep, totals,
-                        grad_div)
-        telemetry.add_reads(reads)
-
-
-class _Kept(dict):
-    """Saved residuals by stage (or scan iteration), counting the most bytes this process held at once."""
-
-    def __init__(self):
-        super().__init__()
-        self.held = self.peak = 0
-
-    def __setitem__(self, key, kept: list) -> None:
-        super().__setitem__(key, kept)
-        self.held += _local_bytes(kept)
-        self.peak = max(self.peak, self.held)
-
-    def pop(self, key):
-        kept = super().pop(key)
-        self.held -= _local_bytes(kept)
-        return kept
-
-
-def _slice_sizes(specs) -> dict:
-    """``{(kind, group): bytes of one slice}`` of every store (`zinfjax.engine.reuse.timeline`)."""
-    return {(s.kind, s.group): slice_bytes(s) for s in specs}
-
-
-def _local_bytes(arrays: list) -> int:
-    return sum(s.data.nbytes for x in arrays for s in x.addressable_shards)
-
-
-def on_host(x) -> bool:
-    """Whether array ``x`` is in host memory (one of `HOST_KINDS`)."""
-    return getattr(getattr(x, "sharding", None), "memory_kind", None) in HOST_KINDS
-
-
-def wait_for(outputs) -> None:
-    """Waits until a computation's outputs are ready; an output a later computation took over (donated) is."""
-    for x in jax.tree.leaves(outputs):
-        if isinstance(x, jax.Array) and not x.is_deleted():
-            x.block_until_ready()
-
-
-def tied_groups(program: Program) -> dict[str, int]:
-    """Streamed groups whose leaves other scans also stream: how many scans contribute to their gradients."""
-    out: dict[str, int] = {}
-    for scan in program.scans():
-        for k in scan.streams:
-            group = program.groups[program.leaves[k].group]
-            if group.position != scan.position:
-                out[group.name] = out.get(group.name, 0) + 1
-    return out
-
-
-def store_specs(config: Config, program: Program, plan: UpdatePlan, placement: Placement, compute_dtype):
-    """Every store of an engine before it opens them: the state's `StoreSpec` list and the activations' by scan."""
-    spool = plan.sweeps > 1 or config.precision == "fp16"
-    spooled = set(program.groups) if spool else set(tied_groups(program))
-    specs = plan_stores(config, program, plan, placement, compute_dtype, spooled)
-    acts = {s.position: acts_spec(config, s, placement, config.grad_accum) for s in program.scans()}
-    return specs, acts
-
-
-def track(kind: str, group: str) -> str:
-    """The telemetry track of a store: ``params_blocks``, ``opt_embed.wte.embedding``."""
-    return f"{kind}_{dir_name(group)}"
-
-
-def label(program: Program, stage) -> str:
-    """A stage's name in traces: the group a scan owns (``blocks``), else ``stage<position>``."""
-    if stage.kind == "scan":
-        owned = [g for g in program.streamed_groups() if g.position == stage.position]
-        if owned:
-            return dir_name(owned[0].name)
-    return f"stage{stage.position}"
-
-
-def data_sharding(mesh: Mesh) -> NamedSharding:
-    """Micro-batched leaves ``(A, rows, ...)``: rows split over ``data``."""
-    return NamedSharding(mesh, P(None, "data"))

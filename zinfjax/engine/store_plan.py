@@ -21,6 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from zinfjax.config import Config
+from zinfjax.engine.placement import Placement
+from zinfjax.program.optimizer import UpdatePlan
+from zinfjax.program.split import Program
 from zinfjax.store import BufferPool, LayerStore, open_store, staging_bytes
 from zinfjax.store.disk import check_free_space, prepare_directory
 from zinfjax.store.errors import BufferBudgetError
@@ -248,3 +251,29 @@ def build_stores(config: Config, specs: list[StoreSpec], acts: dict[int, StoreSp
         out.close()
         raise
     return out
+
+
+def spools_gradients(config: Config, plan: UpdatePlan) -> bool:
+    """Whether a step spools every unit's gradient to the gradient tier and updates after the backward pass:
+    the optimizer needs more than one sweep (per-tensor norms, a global norm), or fp16 checks every gradient
+    for overflow first."""
+    return plan.sweeps > 1 or config.precision == "fp16"
+
+
+def tied_groups(program: Program) -> dict[str, int]:
+    """Streamed groups whose leaves other scans also stream: how many scans contribute to their gradients."""
+    out: dict[str, int] = {}
+    for scan in program.scans():
+        for k in scan.streams:
+            group = program.groups[program.leaves[k].group]
+            if group.position != scan.position:
+                out[group.name] = out.get(group.name, 0) + 1
+    return out
+
+
+def store_specs(config: Config, program: Program, plan: UpdatePlan, placement: Placement, compute_dtype):
+    """Every store of an engine before it opens them: the state's `StoreSpec` list and the activations' by scan."""
+    spooled = set(program.groups) if spools_gradients(config, plan) else set(tied_groups(program))
+    specs = plan_stores(config, program, plan, placement, compute_dtype, spooled)
+    acts = {s.position: acts_spec(config, s, placement, config.grad_accum) for s in program.scans()}
+    return specs, acts

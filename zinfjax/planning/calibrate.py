@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from zinfjax._util.choices import TIER_KEYS
+from zinfjax._util.choices import COMPUTE_DTYPES, TIER_KEYS
 from zinfjax.config import Config
 from zinfjax.planning.cost import NOMINAL
 
@@ -47,7 +47,6 @@ def _batch(config: Config, vocab: int):
 def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAYERS, tier: str = "device") -> dict:
     """Times the engine with every tier on ``tier`` on a few layers; counts each store's reads and writes per byte."""
     from zinfjax import models
-    from zinfjax.engine.engine import COMPUTE_DTYPES
     from zinfjax.sharding import make_mesh
     from zinfjax.trainers.streaming import lm_engine
 
@@ -107,7 +106,6 @@ def calibrate_nvme(config: Config, model_config, layers: int) -> dict:
 def calibrate_reference(config: Config, model_config, layers: int = CALIBRATION_LAYERS) -> float:
     """Median step time of the in-memory reference trainer (every tier on device, stage 0) on a few layers."""
     from zinfjax import models
-    from zinfjax.engine.engine import COMPUTE_DTYPES
     from zinfjax.sharding import make_mesh
     from zinfjax.trainers.reference import ReferenceTrainer
 

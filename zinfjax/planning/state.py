@@ -9,6 +9,7 @@ import shutil
 import jax
 import numpy as np
 
+from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.config import Config
 from zinfjax.engine.budget import default_limit
 from zinfjax.runtime import rss
@@ -21,8 +22,9 @@ def _specs(config: Config, model_config) -> tuple[list, dict]:
     """The engine's stores for ``config`` on ``model_config`` as ``(kind, group, like)`` (nothing allocated),
     and the groups it updates in parts (`zinfjax.engine.parts`)."""
     from zinfjax import models
-    from zinfjax.engine.engine import COMPUTE_DTYPES, compiled, store_specs
+    from zinfjax.engine import compiled
     from zinfjax.engine.parts import update_parts
+    from zinfjax.engine.store_plan import spools_gradients, store_specs
     from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, make_mesh
     from zinfjax.trainers.optimizers import make_optimizer
     from zinfjax.trainers.streaming import lm_program
@@ -33,9 +35,10 @@ def _specs(config: Config, model_config) -> tuple[list, dict]:
     tx = make_optimizer(config)
     program, _ = lm_program(model, config, tx)
     rules = ShardingRules.for_mesh(mesh, config.stage, model.partition_rules, PERSISTENCE_THRESHOLD)
-    placement, _, plan, _ = compiled(program, tx, rules, mesh, compute, config.grad_accum)
-    specs, acts = store_specs(config, program, plan, placement, compute)
-    cut = update_parts(program, plan, specs, plan.sweeps > 1 or config.precision == "fp16")
+    layout = compiled(program, tx, rules, mesh, compute, config.grad_accum)
+    plan = layout.plan
+    specs, acts = store_specs(config, program, plan, layout.placement, compute)
+    cut = update_parts(program, plan, specs, spools_gradients(config, plan))
     return [(s.kind, s.group, s.like) for s in specs] + [("acts", s.group, s.like) for s in acts.values()], cut
 
 

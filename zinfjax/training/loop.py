@@ -109,7 +109,9 @@ def engine_facts(engine) -> dict:
         "recompute": not engine.saves_residuals,  # whether each backward reruns its forward
         "residual_bytes_bound": engine.residual_bytes,  # what recompute=auto counted them at, at most
         "reused_layers": len(engine.reuse),  # layers whose parameters the backward took from the forward
-        "carried_layers": len(engine.carry),  # layers whose update handed the next forward its copy
+        # Layers whose update handed the next forward its copy (`Engine.handoff`); the key keeps its first name,
+        # "carried", so that logs stay comparable.
+        "carried_layers": len(engine.handoff),
         "staging_memory": engine.stores.pool.stats()["memory"],  # NVMe staging: pinned_host or pageable
     }
     if engine.host_kind_fallback:
