@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from zinfjax import Config
-from zinfjax.engine.budget import BudgetPlan, memory_capped
+from zinfjax.engine.budget import Budget, memory_capped
 from zinfjax.models import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,7 +89,7 @@ def test_peak_rss_does_not_grow_with_the_vocabulary_when_state_is_on_nvme(tmp_pa
 def test_the_heap_is_kept_lean_only_when_memory_is_capped():
     """Capped (memory_limit, host_buffer_bytes, a cgroup): freed buffers leave the heap; uncapped, they are reused."""
     def plan(source):
-        return BudgetPlan(1 << 30, source, 0, 2, 1 << 26, 1 << 26)
+        return Budget(1 << 30, source, 0, 2, 1 << 26, 1 << 26)
 
     available, cgroup = plan("available memory less a 1.8 GiB margin"), plan("the memory cgroup's limit less a margin")
     assert not memory_capped(Config(), available)

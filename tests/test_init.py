@@ -161,13 +161,13 @@ def test_the_embedding_initialises_chunk_by_chunk():
 
 def test_a_budget_just_above_the_minimum_is_lean_and_one_above_it_reads_ahead():
     """The budget's three regimes, from its own arithmetic (gpt2-small-sized slices)."""
-    from zinfjax.engine.budget import LIVE_PER_DEPTH, minimum_bytes, plan_budget
+    from zinfjax.engine.budget import LIVE_PER_DEPTH, make_budget, minimum_bytes
 
     read, write, base = 84 << 20, 56 << 20, 300 << 20
     least = minimum_bytes(base, 0, read, write)
-    lean = plan_budget(config(memory_limit=least + (10 << 20)), read, write, baseline=base)
+    lean = make_budget(config(memory_limit=least + (10 << 20)), read, write, baseline=base)
     assert lean.lean and lean.prefetch_depth == 1 and lean.host_buffer_bytes == lean.write_bytes_in_flight == write
-    roomy = plan_budget(config(memory_limit=least + 2 * write + 2 * LIVE_PER_DEPTH * read), read, write, baseline=base)
+    roomy = make_budget(config(memory_limit=least + 2 * write + 2 * LIVE_PER_DEPTH * read), read, write, baseline=base)
     assert not roomy.lean and roomy.prefetch_depth == 3 and roomy.write_bytes_in_flight == 2 * write
     with pytest.raises(MemoryBudgetError, match=r"smallest budget that would work is 940\.0 MiB"):
-        plan_budget(config(memory_limit=least - 1), read, write, baseline=base)
+        make_budget(config(memory_limit=least - 1), read, write, baseline=base)

@@ -14,7 +14,7 @@ from tests.engine_helpers import batches, config, engine_run, make_engine, refer
 from tests.support.tolerances import assert_no_farther, loss_distance
 from zinfjax import Config
 from zinfjax.engine.budget import LIVE_PER_DEPTH, MemoryBudgetError, minimum_bytes
-from zinfjax.engine.store_plan import budget_needs, store_specs
+from zinfjax.engine.stores import budget_needs, store_specs
 from zinfjax.errors import ConfigError
 from zinfjax.program.residuals import Pullback, apply_saved, save_vjp
 
@@ -98,7 +98,7 @@ LARGE = dict(optimizer="host", batch_size=64, seq_len=128)
 
 def _least(engine) -> tuple[int, int, int]:
     """The minimum budget of ``engine`` without residuals (`minimum_bytes`), and its write and read bytes."""
-    specs, acts = store_specs(engine.config, engine.program, engine.plan, engine.placement, engine.compute_dtype)
+    specs, acts = store_specs(engine.config, engine.program, engine.update_plan, engine.placement, engine.compute_dtype)
     read, write, resident = budget_needs(specs, list(acts.values()), "cpu")
     return minimum_bytes(engine.budget.baseline, resident, read, write), write, read
 

@@ -15,7 +15,7 @@ from zinfjax import models
 from zinfjax.benchmarks.state_table import abstract_params
 from zinfjax.engine import compiled
 from zinfjax.engine.memory import state_bytes, zero_formula
-from zinfjax.engine.store_plan import plan_stores
+from zinfjax.engine.stores import plan_stores
 from zinfjax.errors import ConfigError
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, make_mesh, shard_shape
 from zinfjax.trainers.optimizers import make_optimizer

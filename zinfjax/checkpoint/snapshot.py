@@ -87,7 +87,7 @@ def _store_keys(store) -> list:
 
 def parts_of(engine) -> list[Part]:
     """Every part of a checkpoint: parameters (fp32 masters, if any), optimizer state by group, and its globals."""
-    program, plan, s = engine.program, engine.plan, engine.stores
+    program, plan, s = engine.program, engine.update_plan, engine.stores
     params = s.master or s.params
     parts = []
     for g in program.groups.values():

@@ -28,7 +28,7 @@ from zinfjax.engine import reuse
 from zinfjax.engine._step_io import StepEngine, StepIO, track
 from zinfjax.engine._update import Updates
 from zinfjax.engine.readahead import Read
-from zinfjax.engine.store_plan import dir_name
+from zinfjax.engine.stores import dir_name
 from zinfjax.program import jaxpr as jx
 from zinfjax.program.residuals import differentiable, zero_cotangent
 from zinfjax.program.split import Program

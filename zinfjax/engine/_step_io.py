@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from zinfjax.config import Config
 from zinfjax.engine.loss_scale import LossScale
 from zinfjax.engine.reuse import Held
-from zinfjax.engine.store_plan import EngineStores, dir_name
+from zinfjax.engine.stores import EngineStores, dir_name
 from zinfjax.engine.telemetry import StepTelemetry
 from zinfjax.engine.units import Units
 from zinfjax.program.optimizer import UpdatePlan
@@ -35,7 +35,7 @@ class StepEngine(Protocol):
     stores: EngineStores
     host_kind: str  # the host tier's memory kind
     on_host: bool  # the update runs on the host (`update_location`)
-    spools_gradients: bool  # `zinfjax.engine.store_plan.spools_gradients`
+    spools_gradients: bool  # `zinfjax.engine.stores.spools_gradients`
     saves_residuals: bool  # the backward takes the forward's residuals instead of recomputing it
     parts: dict  # {group: [Part]} of the groups updated in parts
     reuse: frozenset  # (scan position, iteration) whose parameters the backward takes from the forward
@@ -51,7 +51,7 @@ class StepIO:
 
     dispatch: Callable  # (name, layer, fn, *args) -> fn(*args), dispatched asynchronously, traced and bounded
     write: Callable  # (track, store, i, tree, keys=None, from_host=False): slice i to store, bytes in flight bounded
-    tied: dict[str, int]  # the streamed groups other scans stream too (`store_plan.tied_groups`)
+    tied: dict[str, int]  # the streamed groups other scans stream too (`stores.tied_groups`)
     telemetry: StepTelemetry  # the step's metrics
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from zinfjax.engine._step_io import StepEngine, StepIO, track
 from zinfjax.engine.parts import Part
 from zinfjax.engine.readahead import Read, ReadAhead
-from zinfjax.engine.store_plan import dir_name
+from zinfjax.engine.stores import dir_name
 from zinfjax.program.optimizer import combine_partials
 from zinfjax.store.layout import HOST_KINDS
 
@@ -51,7 +51,7 @@ class Updates:
         if self.engine.spools_gradients:
             return []
         reads, kind = [], self._kind("optimizer")
-        if self.engine.plan.part_state(group, part and part.leaves):
+        if self.engine.update_plan.part_state(group, part and part.leaves):
             reads.append(Read(track("opt", group), self._store("opt", group), i, keys=part and part.state,
                               memory_kind=kind))
         if self.engine.stores.master:
@@ -136,9 +136,9 @@ class Updates:
         partials, compute, master, state = self.io.dispatch(f"update_{dir_name(group)}", i, fn, master, grads, state,
                                                             engine.globals, totals, engine.units.start(group, i),
                                                             grad_div)
-        for c, value in zip(engine.plan.crosses_of(group, sweep), partials, strict=True):
+        for c, value in zip(engine.update_plan.crosses_of(group, sweep), partials, strict=True):
             self._partials.setdefault(c.eqn.outvars[0], []).append(value)
-        if sweep < engine.plan.sweeps - 1:
+        if sweep < engine.update_plan.sweeps - 1:
             return
         paths, state_paths = engine.units.paths(group, leaves)
         keys, host, write = part and part.params, engine.on_host, self.io.write
@@ -158,14 +158,14 @@ class Updates:
         (on the last sweep) the new compute copy when the parameters live on the device."""
         down = sum(x.nbytes for x in (*master, *grads, *state) if not on_host(x))
         up = 0
-        if sweep == self.engine.plan.sweeps - 1 and self.engine.config.params == "device":
+        if sweep == self.engine.update_plan.sweeps - 1 and self.engine.config.params == "device":
             up = sum(x.size for x in master) * jnp.dtype(self.engine.compute_dtype).itemsize
         return down + up
 
     def finish(self) -> list | None:
         """After the backward pass: the sweeps (when spooled), then the optimizer's new global state; None
         when the step was skipped (fp16's overflow)."""
-        engine, plan = self.engine, self.engine.plan
+        engine, plan = self.engine, self.engine.update_plan
         if engine.spools_gradients:
             finite = bool(jnp.all(jnp.stack(self._finite))) if self._finite else True
             if engine.config.precision == "fp16":
@@ -180,8 +180,8 @@ class Updates:
 
     def _sweep(self, sweep: int) -> None:
         engine = self.engine
-        totals_vars = engine.plan.totals_before(sweep)
-        done = combine_partials([c for c in engine.plan.crosses if c.phase < sweep], self._partials)
+        totals_vars = engine.update_plan.totals_before(sweep)
+        done = combine_partials([c for c in engine.update_plan.crosses if c.phase < sweep], self._partials)
         totals = [done[v] for v in totals_vars]
         units = [(g, i) for g in self.program.groups.values() for i in range(g.length)]
         source = "master" if engine.stores.master else "params"
@@ -191,7 +191,7 @@ class Updates:
                           memory_kind=self._kind("optimizer" if source == "master" else "params")),
                      Read(track("grads", g.name), self._store("grads", g.name), i,
                           memory_kind=self._kind("gradients"))]
-            if engine.plan.state_of(g.name):
+            if engine.update_plan.state_of(g.name):
                 reads.append(Read(track("opt", g.name), self._store("opt", g.name), i,
                                   memory_kind=self._kind("optimizer")))
             groups.append(reads)
@@ -199,7 +199,7 @@ class Updates:
         grad_div = jnp.float32(engine.loss_scale.value)
         for (g, i), trees in zip(units, reads, strict=True):
             paths = [leaf.path for leaf in self.program.leaves_of(g.name)]
-            state = [trees[2][s.path] for s in engine.plan.state_of(g.name)] if len(trees) > 2 else []
+            state = [trees[2][s.path] for s in engine.update_plan.state_of(g.name)] if len(trees) > 2 else []
             self._apply(g.name, i, [trees[0][p] for p in paths], [trees[1][p] for p in paths], state, sweep, totals,
                         grad_div)
         self.io.telemetry.add_reads(reads)

@@ -27,7 +27,7 @@ anything is written, naming the smallest budget that would work (docs/engine.md,
 
 Example:
     >>> from zinfjax import Config
-    >>> plan = plan_budget(Config(memory_limit="2GiB"), read_bytes=90 << 20, write_bytes=85 << 20, baseline=300 << 20)
+    >>> plan = make_budget(Config(memory_limit="2GiB"), read_bytes=90 << 20, write_bytes=85 << 20, baseline=300 << 20)
     >>> plan.lean, plan.prefetch_depth, plan.host_buffer_bytes >> 20
     (False, 3, 170)
 """
@@ -69,7 +69,7 @@ class MemoryBudgetError(UserError):
 
 
 @dataclasses.dataclass(frozen=True)
-class BudgetPlan:
+class Budget:
     """What the engine holds under a budget, and where the budget came from."""
 
     limit: int
@@ -127,13 +127,13 @@ def default_limit() -> tuple[int, str]:
     return limit - margin, f"{source} less a {format_bytes(margin)} margin"
 
 
-def memory_capped(config, budget: BudgetPlan) -> bool:
+def memory_capped(config, budget: Budget) -> bool:
     """Whether the run's memory is capped: ``memory_limit`` or ``host_buffer_bytes`` set, or the budget is a
     memory cgroup's limit. Then the engine trades some step time for a lower peak (module docstring).
 
     Example:
         >>> from zinfjax import Config
-        >>> plan = BudgetPlan(1 << 30, "available memory less a 1.8 GiB margin", 0, 2, 1 << 26, 1 << 26)
+        >>> plan = Budget(1 << 30, "available memory less a 1.8 GiB margin", 0, 2, 1 << 26, 1 << 26)
         >>> memory_capped(Config(), plan), memory_capped(Config(memory_limit=2 << 30), plan)
         (False, True)
     """
@@ -157,8 +157,8 @@ def fits_device(nbytes: int, device=None) -> bool:
     return nbytes <= (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // 2
 
 
-def plan_budget(config, read_bytes: int, write_bytes: int, resident: int = 0,
-                baseline: int | None = None) -> BudgetPlan:
+def make_budget(config, read_bytes: int, write_bytes: int, resident: int = 0,
+                baseline: int | None = None) -> Budget:
     """The buffers and read-ahead ``config`` gets, for operations of ``read_bytes`` and slices of ``write_bytes``.
 
     ``resident`` is the state the process holds whole (stores on the host tier, and on the device
@@ -192,7 +192,7 @@ def plan_budget(config, read_bytes: int, write_bytes: int, resident: int = 0,
     depth = config.prefetch_depth
     if depth is None:  # the minimum holds one operation read ahead (LIVE_BASE was measured so)
         depth = 1 if lean else int(min(MAX_DEPTH, 2 + (spare - 2 * write_bytes - ahead) // ahead))
-    return BudgetPlan(limit, source, baseline, depth, int(buffers), int(in_flight), lean)
+    return Budget(limit, source, baseline, depth, int(buffers), int(in_flight), lean)
 
 
 def minimum_bytes(baseline: int, resident: int, read_bytes: int, write_bytes: int) -> int:

@@ -1,6 +1,6 @@
 """A marker of the step in progress, so that a process killed mid-step is noticed at the next start.
 
-The nvme working state is overwritten in place during a step (zinfjax/engine/store_plan.py), so a
+The nvme working state is overwritten in place during a step (zinfjax/engine/stores.py), so a
 process killed mid-step leaves it neither the old step nor the new one. The engine writes
 ``<nvme_path>/STEP_IN_PROGRESS`` when a step starts and removes it when the step's writes have
 landed; the next engine on that path finds it, reports the step (`Engine.interrupted_step`),

@@ -29,7 +29,7 @@ from zinfjax.engine.compile_cache import compiled
 from zinfjax.engine.engine_plan import PlanInputs, plan_engine, update_location
 from zinfjax.engine.loss_scale import LossScale
 from zinfjax.engine.readahead import ReadAhead
-from zinfjax.engine.store_plan import build_stores, spools_gradients, store_specs, tied_groups
+from zinfjax.engine.stores import build_stores, spools_gradients, store_specs, tied_groups
 from zinfjax.engine.telemetry import StepTelemetry
 from zinfjax.engine.writebehind import WriteBehind
 from zinfjax.errors import UserError
@@ -69,15 +69,15 @@ class Engine:
         layout = compiled(program, tx, self.rules, mesh, self.compute_dtype, config.grad_accum, self.on_host,
                           params_kind, self.host_kind)
         self.placement, self.stage_fns = layout.placement, layout.stage_fns
-        self.plan, self.units = layout.plan, layout.units
+        self.update_plan, self.units = layout.plan, layout.units
         self.loss_scale = LossScale(config.precision == "fp16")
-        self.spools_gradients = spools_gradients(config, self.plan)
+        self.spools_gradients = spools_gradients(config, self.update_plan)
         self.micro = config.grad_accum
         self._check_micro_batch()
         self._tied = tied_groups(program)  # the streamed groups other scans stream too
-        specs, acts = store_specs(config, program, self.plan, self.placement, self.compute_dtype)
+        specs, acts = store_specs(config, program, self.update_plan, self.placement, self.compute_dtype)
         self.residual_bytes = self._residual_bytes()
-        planned = plan_engine(PlanInputs(config, program, self.plan, specs, list(acts.values()), self.platform,
+        planned = plan_engine(PlanInputs(config, program, self.update_plan, specs, list(acts.values()), self.platform,
                                          self.residual_bytes, self.spools_gradients, self.on_host))
         self.parts, self.budget, self.saves_residuals = planned.parts, planned.budget, planned.saves_residuals
         self.reuse = planned.reuse
@@ -134,14 +134,15 @@ class Engine:
         """Writes the initial state into the stores, one unit at a time."""
         s = self.stores
         given = source.globals()
-        self.globals = list(given) if given is not None else self.plan.init_globals()
+        self.globals = list(given) if given is not None else self.update_plan.init_globals()
         for g in self.program.groups.values():
             leaves = self.program.leaves_of(g.name)
             for i in range(g.length):
                 params = dict(zip([leaf.path for leaf in leaves], source.params(g.name, i), strict=True))
                 given_state = source.state(g.name, i)
                 if given_state is not None:
-                    given_state = dict(zip([st.path for st in self.plan.state_of(g.name)], given_state, strict=True))
+                    order = [st.path for st in self.update_plan.state_of(g.name)]
+                    given_state = dict(zip(order, given_state, strict=True))
                 for part in self.parts.get(g.name, [None]):
                     paths, state_paths = self.units.paths(g.name, part and part.leaves)
                     compute, master, state = self.units.init(g.name, self.units.size(g.name, i), part and part.leaves)(
@@ -268,17 +269,17 @@ class Engine:
 
     def opt_state(self):
         """The whole optax state, gathered: what ``tx.init`` and ``tx.update`` of the whole tree would hold."""
-        flat = [None] * len(self.plan.state)
-        for s, x in zip(self.plan.globals, self.globals, strict=True):
+        flat = [None] * len(self.update_plan.state)
+        for s, x in zip(self.update_plan.globals, self.globals, strict=True):
             flat[s.index] = x
         for g in self.program.groups.values():
-            state = self.plan.state_of(g.name)
+            state = self.update_plan.state_of(g.name)
             if not state:
                 continue
             got = self._gather("opt", g.name, [s.path for s in state])
             for s in state:
                 flat[s.index] = unslice(self.program.leaves[s.param], got[s.path])
-        return jax.tree_util.tree_unflatten(self.plan.state_tree, flat)
+        return jax.tree_util.tree_unflatten(self.update_plan.state_tree, flat)
 
     def close(self) -> None:
         self.handed_over = reuse.Held()

@@ -13,9 +13,9 @@ import dataclasses
 from zinfjax._util.byte_sizes import format_bytes
 from zinfjax.config import Config
 from zinfjax.engine import reuse
-from zinfjax.engine.budget import LIVE_BASE, BudgetPlan, MemoryBudgetError, fits_device, plan_budget
+from zinfjax.engine.budget import LIVE_BASE, Budget, MemoryBudgetError, fits_device, make_budget
 from zinfjax.engine.parts import update_parts
-from zinfjax.engine.store_plan import StoreSpec, budget_needs, slice_bytes
+from zinfjax.engine.stores import StoreSpec, budget_needs, slice_bytes
 from zinfjax.program.optimizer import UpdatePlan
 from zinfjax.program.split import Program
 
@@ -47,7 +47,7 @@ class PlanInputs:
     acts: list[StoreSpec]  # the activations' stores, one per scan
     platform: str  # the compute devices' platform: "cpu", "gpu", "tpu"
     residual_bytes: int  # what this process's devices hold of one step's saved residuals, at most
-    spools_gradients: bool  # `store_plan.spools_gradients`
+    spools_gradients: bool  # `stores.spools_gradients`
     on_host: bool  # the optimizer update runs on the host (`update_location`)
 
 
@@ -56,7 +56,7 @@ class EnginePlan:
     """How an engine runs its steps within its memory budget."""
 
     parts: dict  # {group: [Part]}: the groups updated in parts (`zinfjax.engine.parts`); empty: all whole
-    budget: BudgetPlan  # the memory budget's buffers, read-ahead and writes in flight
+    budget: Budget  # the memory budget's buffers, read-ahead and writes in flight
     needs: tuple[int, int, int]  # the (read, write, resident) bytes the budget was planned for (`budget_needs`)
     saves_residuals: bool  # the backward takes the forward's residuals instead of recomputing it
     reuse: frozenset = frozenset()  # (scan position, iteration): parameters the backward takes from the forward
@@ -92,7 +92,7 @@ def plan_memory(inputs: PlanInputs) -> EnginePlan:
     return EnginePlan(parts, plan, needs, saves)
 
 
-def _plan_recompute(inputs: PlanInputs, read: int, write: int, resident: int) -> tuple[BudgetPlan, bool]:
+def _plan_recompute(inputs: PlanInputs, read: int, write: int, resident: int) -> tuple[Budget, bool]:
     """The budget's plan, and whether the residuals are kept (``recompute``; docs/engine.md, "Recomputation").
 
     ``auto`` keeps them when the budget holds them as well and stays roomy: on the CPU backend they
@@ -101,19 +101,19 @@ def _plan_recompute(inputs: PlanInputs, read: int, write: int, resident: int) ->
     config, residuals = inputs.config, inputs.residual_bytes
     mode, cpu = config.recompute, inputs.platform == "cpu"
     if mode == "always" or (mode == "auto" and not cpu and not fits_device(residuals)):
-        return plan_budget(config, read, write, resident), False
+        return make_budget(config, read, write, resident), False
     if not cpu:
-        return plan_budget(config, read, write, resident), True
+        return make_budget(config, read, write, resident), True
     try:
-        plan = plan_budget(config, read, write, resident + residuals)
+        plan = make_budget(config, read, write, resident + residuals)
     except MemoryBudgetError as e:
         if mode == "never":
             raise MemoryBudgetError(f"{e}; recompute=never keeps {format_bytes(residuals)} of "
                                     "residuals (recompute=auto or always holds none)") from None
-        return plan_budget(config, read, write, resident), False
+        return make_budget(config, read, write, resident), False
     if mode == "never" or not plan.lean:
         return plan, True
-    return plan_budget(config, read, write, resident), False
+    return make_budget(config, read, write, resident), False
 
 
 def plan_reuse(inputs: PlanInputs, memory: EnginePlan) -> EnginePlan:
@@ -138,7 +138,7 @@ def plan_reuse(inputs: PlanInputs, memory: EnginePlan) -> EnginePlan:
     held = resident + (inputs.residual_bytes if memory.saves_residuals else 0)
     nbytes = sum(c.nbytes for c in kept)
     try:
-        plan = plan_budget(config, read, write, held + nbytes, baseline=base.baseline)
+        plan = make_budget(config, read, write, held + nbytes, baseline=base.baseline)
     except MemoryBudgetError:
         raise MemoryBudgetError(
             f"max_reuse_distance={limit} keeps {len(kept)} layers' parameters ({format_bytes(nbytes)}), more "

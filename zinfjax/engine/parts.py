@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from zinfjax.engine.store_plan import StoreSpec, leaf_slice_bytes, slice_bytes
+from zinfjax.engine.stores import StoreSpec, leaf_slice_bytes, slice_bytes
 
 
 @dataclasses.dataclass(frozen=True)

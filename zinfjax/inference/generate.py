@@ -29,7 +29,7 @@ from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.checkpoint.model import checkpoint_model
 from zinfjax.config import Config
 from zinfjax.engine.readahead import Read, ReadAhead
-from zinfjax.engine.store_plan import SCRATCH_NVME
+from zinfjax.engine.stores import SCRATCH_NVME
 from zinfjax.errors import ConfigError
 from zinfjax.inference.params import ParamStores
 from zinfjax.inference.sampling import Sampling, next_tokens

@@ -23,7 +23,7 @@ from zinfjax.checkpoint.errors import CheckpointError
 from zinfjax.checkpoint.manager import latest_checkpoint
 from zinfjax.config import Config
 from zinfjax.engine.budget import with_defaults
-from zinfjax.engine.store_plan import SCRATCH_NVME
+from zinfjax.engine.stores import SCRATCH_NVME
 from zinfjax.store import open_store
 from zinfjax.store.pool import staging_pool
 

@@ -8,7 +8,7 @@ import itertools
 from zinfjax._util.choices import TIER_KEYS, TIERS
 from zinfjax.config import Config
 from zinfjax.engine.budget import COMPILE_RESERVE, LIVE_BASE, minimum_bytes
-from zinfjax.engine.store_plan import StoreSpec, budget_needs
+from zinfjax.engine.stores import StoreSpec, budget_needs
 from zinfjax.planning.state import KIND_TIER, device_bytes, tree_bytes
 
 NOMINAL = {"disk_read_GBps": 1.0, "disk_write_GBps": 1.0, "host_copy_GBps": 4.0, "nvme_step_GBps": 1.0,
@@ -51,7 +51,7 @@ def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dic
     if uses_reference(config, tiers):  # the whole state, the gradients and the activations at once
         resident = held["device"] + parts["gradients"] + parts["activations"]
         host_need = machine["baseline_bytes"] + resident + transient + COMPILE_RESERVE
-    else:  # the engine's budget (zinfjax.engine.budget.plan_budget), and one layer's transient
+    else:  # the engine's budget (zinfjax.engine.budget.make_budget), and one layer's transient
         resident = held["host"] + (held["device"] if cpu else 0)
         host_need = minimum_bytes(machine["baseline_bytes"], resident, read, write_slice) + transient
     need = {"host": host_need, "nvme": held["nvme"]}

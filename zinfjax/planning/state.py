@@ -24,7 +24,7 @@ def _specs(config: Config, model_config) -> tuple[list, dict]:
     from zinfjax import models
     from zinfjax.engine import compiled
     from zinfjax.engine.parts import update_parts
-    from zinfjax.engine.store_plan import spools_gradients, store_specs
+    from zinfjax.engine.stores import spools_gradients, store_specs
     from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, make_mesh
     from zinfjax.trainers.optimizers import make_optimizer
     from zinfjax.trainers.streaming import lm_program
