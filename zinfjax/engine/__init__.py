@@ -9,6 +9,6 @@ that training, wrapping and planning share with it. Modules whose names begin wi
 from zinfjax.engine.compile_cache import compiled, update_plan
 from zinfjax.engine.engine import BatchError, Engine
 from zinfjax.engine.loss_scale import LossScale
-from zinfjax.engine.source import TreeSource
+from zinfjax.engine.source import Source, TreeSource
 
-__all__ = ["BatchError", "Engine", "LossScale", "TreeSource", "compiled", "update_plan"]
+__all__ = ["BatchError", "Engine", "LossScale", "Source", "TreeSource", "compiled", "update_plan"]

@@ -90,7 +90,7 @@ class Engine:
             allocator.tune_allocator(mmap_threshold=NVME_MMAP_THRESHOLD, trim_threshold=allocator.GLIBC_TRIM_THRESHOLD)
         self.config = config = config.replace(prefetch_depth=self.budget.prefetch_depth,
                                               host_buffer_bytes=self.budget.host_buffer_bytes)
-        self.step_count = int(getattr(source, "step", 0))
+        self.step_count = int(source.step)
         self.tracer = None  # a zinfjax.engine.trace.Tracer while one is attached
         self._behind = WriteBehind(fill_bound, config.prefetch_depth)  # the computations and writes in flight
         self._telemetry: StepTelemetry | None = None
@@ -158,9 +158,9 @@ class Engine:
                                     part and part.state)
             s.flush()
         self._behind.bound = self.budget.write_bytes_in_flight
-        if self.loss_scale.enabled and getattr(source, "loss_scale", None) is not None:
+        if self.loss_scale.enabled and source.loss_scale is not None:
             self.loss_scale.scale = float(source.loss_scale)
-            self.loss_scale.good = int(getattr(source, "loss_scale_good", 0))
+            self.loss_scale.good = int(source.loss_scale_good)
 
     # ---- the step ----------------------------------------------------------------------------
 

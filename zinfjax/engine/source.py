@@ -14,11 +14,35 @@ Example:
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from zinfjax.program.split import store_slice
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What an engine starts from: each unit's parameters, optionally its optimizer state and the global state,
+    the step count, and fp16's loss scale (None: start the scale afresh).
+
+    Implemented by `TreeSource`, `zinfjax.checkpoint.CheckpointSource` and `zinfjax.program.init.InitSource`.
+    """
+
+    step: int
+    loss_scale: float | None
+    loss_scale_good: int
+
+    def params(self, group: str, i: int) -> list:
+        """Unit ``i`` of ``group``: its leaves in store layout."""
+
+    def state(self, group: str, i: int) -> list | None:
+        """Unit ``i``'s optimizer state, or None for the optimizer's own ``init``."""
+
+    def globals(self) -> list | None:
+        """The optimizer's global state (a step count, a schedule's), or None for ``init``'s."""
 
 
 class TreeSource:
@@ -32,7 +56,7 @@ class TreeSource:
         self.program, self.plan, self.step = program, plan, int(step)
         self._params = program.params_tree.flatten_up_to(params)
         self._state = None if opt_state is None else plan.state_tree.flatten_up_to(opt_state)
-        self.loss_scale = None
+        self.loss_scale, self.loss_scale_good = None, 0
 
     def params(self, group: str, i: int) -> list:
         return [store_slice(leaf, self._params[leaf.index], i) for leaf in self.program.leaves_of(group)]

@@ -34,6 +34,7 @@ class InitSource:
 
     step = 0
     loss_scale = None
+    loss_scale_good = 0
 
     def __init__(self, program, init_fn, rng):
         self.program, self.rng = program, rng

@@ -11,7 +11,7 @@ from zinfjax.checkpoint import CheckpointSource
 from zinfjax.checkpoint.resume import resume_directory
 from zinfjax.config import Config
 from zinfjax.data import Batches
-from zinfjax.engine.engine import Engine, update_plan
+from zinfjax.engine import Engine, Source, update_plan
 from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.program import InitSource, program_for
 from zinfjax.trainers.optimizers import make_optimizer
@@ -40,7 +40,7 @@ def lm_engine(model, config: Config, mesh, source=None, tx=None) -> Engine:
     program, plan = lm_program(model, config, tx)
     if source is None:
         source = InitSource(program, lm_init(model), jax.random.key(config.seed))
-    elif callable(source) and not hasattr(source, "params"):
+    elif not isinstance(source, Source):  # a callable that makes one
         source = source(program, plan)
     return Engine(program, source, tx, config, mesh, tp_rules=model.partition_rules)
 
