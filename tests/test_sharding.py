@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests.engine_helpers import config, expected_state_bytes
+from tests.support.engine_helpers import config, expected_state_bytes
 from zinfjax import models
 from zinfjax.benchmarks.state_table import abstract_params
 from zinfjax.engine import compiled

@@ -7,7 +7,7 @@ from flax import nnx
 from flax.training import train_state
 
 import zinfjax
-from tests.engine_helpers import batches, config, initial_params, reference_run
+from tests.support.engine_helpers import batches, config, initial_params, reference_run
 from zinfjax import models
 
 

@@ -36,7 +36,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from tests.engine_helpers import relative_error
+from tests.support.engine_helpers import relative_error
 
 SLACK = 1.25  # zinfjax's distance from fp32 may exceed the reference's by a quarter (see the module docstring)
 LOSS_SLACK = 2.0  # a run's few losses are scalars, whose distances from fp32 scatter more (see loss_distance)
@@ -88,7 +88,7 @@ def assert_no_farther(exact, reference, ours, distance=relative_error,
     """``ours`` is no farther from ``exact`` (the fp32 computation) than ``reference`` is, within ``slack``.
 
     ``distance`` is whole-tree relative L2 by default, less the leaves whose true gradient is zero
-    (``tests.engine_helpers.relative_error``); :func:`loss_distance` compares two runs' losses. Returns both
+    (``tests.support.engine_helpers.relative_error``); :func:`loss_distance` compares two runs' losses. Returns both
     distances, so a test can print them.
     """
     if slack is None:

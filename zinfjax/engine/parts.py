@@ -11,7 +11,7 @@ within ``sub_group_size`` parameters when that is set. More operations cost CPU 
 bf16 on NVMe, 2 cores: 3.4-3.9 s in parts against 3.2 s whole), so the engine cuts layers only when
 the memory budget needs it or ``sub_group_size`` asks (`zinfjax.engine.engine.Engine`). Each leaf's
 update is the same computation either way, compiled per part: equal to the last bit or so
-(tests/test_parts.py), and held to the in-memory reference like every path.
+(tests/engine/test_parts.py), and held to the in-memory reference like every path.
 
 Example:
     >>> parts = update_parts(program, plan, specs, spooled=False)  # doctest: +SKIP

@@ -9,7 +9,7 @@ so XLA converts them to fp32 and takes the fp32 kernel, twice as slow (bench/mat
 `dense` is that product with a VJP of its own: on the CPU backend the weight gradient transposes ``x``
 in bf16 into a row-major array first (a layout constraint), so all three products run the bf16 kernel. Its
 results are those of autodiff's (bf16 operands, fp32 accumulation, one rounding to the operand
-dtype), up to the order of the sums; ``tests/test_products.py`` holds it to them. fp32 operands,
+dtype), up to the order of the sums; ``tests/models/test_products.py`` holds it to them. fp32 operands,
 and any contraction other than a dense layer's, take ``jax.lax.dot_general`` unchanged.
 
 `dot_general` has ``lax.dot_general``'s signature, for flax's ``nn.DenseGeneral(dot_general=...)``.

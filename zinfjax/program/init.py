@@ -6,7 +6,7 @@ once on an abstract key. Stacked leaves are outputs of a scan over the layers (w
 iteration ``i``'s inputs. Row-chunked leaves (an embedding table) are computed one chunk at a
 time where their code is row-wise (`rows.row_chunk`). The rest of the tree is computed leaf group
 by leaf group. So the whole tree never exists in memory, and the values are bitwise those of
-``jax.jit(init_fn)(rng)``: the same operations on the same keys (tests/test_init.py).
+``jax.jit(init_fn)(rng)``: the same operations on the same keys (tests/program/test_init.py).
 This is what DeepSpeed's ``zero.Init`` does for torch, without hooks.
 
 Example:

@@ -13,7 +13,7 @@ a pytree of residual arrays). Only activations are kept:
 
 `Pullback` records, at trace time, how to rebuild the pullback from kept leaves and shared inputs;
 `apply_saved` runs it. The backward then costs the VJP alone, the same as rerunning the forward
-inside ``jax.vjp`` up to XLA's rounding (tests/test_residuals.py).
+inside ``jax.vjp`` up to XLA's rounding (tests/engine/test_residuals.py).
 
 Example:
     >>> import jax.numpy as jnp

@@ -5,7 +5,7 @@ std``. Rows ``lo .. lo + n`` of it need only the bits of those rows, and with JA
 threefry (the default) bit ``k`` of ``random_bits(key, shape)`` is ``threefry(key, k)``: a function
 of its flat index alone. `row_chunk` runs the initialiser's jaxpr over row chunks: random bits
 and iotas of the chunk's indices, elementwise operations on chunks, broadcasts to the chunk's
-shape. The values equal, bitwise, rows ``lo .. lo + n`` of the whole (tests/test_init.py), and the
+shape. The values equal, bitwise, rows ``lo .. lo + n`` of the whole (tests/program/test_init.py), and the
 whole table never exists. Anything else on the way to the table (a reshape, a matmul) raises
 `Unsliceable`, and the caller computes the table whole.
 

@@ -1,0 +1,74 @@
+"""`zinfjax bench versus-deepspeed` without DeepSpeed runs the zinfjax side and says what it skipped.
+
+DeepSpeed is made unavailable the way a missing install is: a ``deepspeed`` package first on
+PYTHONPATH whose import raises ``ModuleNotFoundError("No module named 'deepspeed'")``. The
+benchmark itself (real `zinfjax train` children, real disk) runs on gpt2-tiny for two steps.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from zinfjax.benchmarks.deepspeed_step import ds_config
+from zinfjax.benchmarks.versus_deepspeed import best_nvme, ratios
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def hidden_deepspeed(tmp_path) -> str:
+    """A directory whose ``deepspeed`` package fails to import as an absent one does."""
+    package = tmp_path / "hide" / "deepspeed"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'deepspeed'\", name='deepspeed')\n")
+    return str(tmp_path / "hide")
+
+
+def test_without_deepspeed_the_zinfjax_side_runs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([hidden_deepspeed(tmp_path), ROOT])
+    out = subprocess.run(
+        [sys.executable, "-m", "zinfjax.cli", "bench", "versus-deepspeed", "--dir", str(tmp_path / "bench"),
+         "--model", "gpt2-tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "2", "--warmup", "1",
+         "--precision", "fp32", "--zinfjax-runs", "nvme", "--raw-bytes", "16MiB"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["deepspeed"] == {"skipped": "deepspeed is not installed (pip install -e '.[dev]')"}
+    assert result["fp32"]["deepspeed"]["nvme"] == result["deepspeed"]
+    assert any(s.startswith("deepspeed cpu: deepspeed is not installed") for s in result["skipped"])
+    nvme = result["fp32"]["zinfjax"]["nvme"]
+    assert nvme["step_s"] > 0 and len(nvme["step_times_s"]) == 2 and nvme["peak_rss_GB"] > 0.1
+    assert nvme["init_s"] > nvme["setup_s"] > 0 and nvme["other_cpu_cores"] >= 0
+    assert nvme["command"].startswith("zinfjax train --quiet --set model=gpt2-tiny")
+    assert result["fp32"]["io_floor"]["io_floor_s"] > 0 and nvme["read_bytes_nvme"] > 0
+    assert result["fp32"]["ratios"]["zinfjax_nvme_over_deepspeed_best_nvme"] is None
+    assert not os.path.exists(result["nvme_dir"])  # the offloaded state is removed
+    assert result["deepspeed_configs"]["fp32"]["nvme"]["optimizer"]["params"]["eps"] == 1e-8  # not rounded away
+
+
+def test_ratios_take_deepspeeds_best_working_nvme_run():
+    deepspeed = {"nvme": {"step_s": 6.0, "peak_rss_GB": 7.0, "init_s": 20.0},
+                 "nvme_params_on_disk": {"error": "AssertionError: Not enough buffers 0 for swapping 1"},
+                 "cpu": {"step_s": 5.0, "peak_rss_GB": 6.0}}
+    zinfjax = {"nvme": {"step_s": 3.0, "peak_rss_GB": 3.5, "init_s": 10.0}, "host": {"step_s": 4.0, "peak_rss_GB": 3.0},
+               "memory": {"step_s": 1.5, "peak_rss_GB": 2.0}}
+    assert best_nvme(deepspeed)[0] == "nvme"
+    r = ratios(zinfjax, deepspeed)
+    assert r["zinfjax_nvme_over_deepspeed_best_nvme"] == 0.5
+    assert r["zinfjax_nvme_over_deepspeed_nvme_params_on_disk"] is None
+    assert r["zinfjax_nvme_over_zinfjax_memory"] == 2.0 and r["zinfjax_host_over_deepspeed_cpu"] == 0.8
+    assert r["peak_rss_zinfjax_nvme_over_deepspeed_best_nvme"] == 0.5
+
+
+def test_deepspeed_configs_offload_to_the_tier_asked():
+    nvme = ds_config("nvme", "bf16", 4, "/mnt/nvme/x", max_in_cpu=10**6)
+    zero = nvme["zero_optimization"]
+    assert zero["stage"] == 3 and nvme["bf16"] == {"enabled": True}
+    assert zero["offload_param"] == {"device": "nvme", "pin_memory": False, "nvme_path": "/mnt/nvme/x",
+                                     "max_in_cpu": 10**6}
+    assert zero["offload_optimizer"]["device"] == "nvme" and "aio" in nvme
+    cpu = ds_config("cpu", "fp32", 4)
+    assert cpu["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert "aio" not in cpu and cpu["bf16"] == {"enabled": False}

@@ -1,0 +1,1 @@
+"""Checkpoints (zinfjax.checkpoint): atomic, verifiable, reshardable."""

@@ -1,0 +1,1 @@
+"""The streaming step (zinfjax.engine): exact against the in-memory loop, bounded in memory."""

@@ -1,0 +1,1 @@
+"""Offloaded inference (zinfjax.inference)."""

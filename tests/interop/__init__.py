@@ -1,0 +1,1 @@
+"""Conversion of torch, Hugging Face and DeepSpeed checkpoints (zinfjax_interop)."""

@@ -1,0 +1,1 @@
+"""The reference models (zinfjax.models)."""

@@ -1,0 +1,1 @@
+"""zinfjax plan (zinfjax.planning)."""

@@ -1,0 +1,1 @@
+"""Programs (zinfjax.program): initialisers and optimizers run one layer at a time."""

@@ -1,0 +1,1 @@
+"""The process and the OS (zinfjax.runtime): allocator, launch, multi-process runs."""

@@ -1,0 +1,1 @@
+"""The tiers: device, host and NVMe stores (zinfjax.store)."""

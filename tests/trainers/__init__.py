@@ -1,0 +1,1 @@
+"""The trainers zinfjax train drives (zinfjax.trainers)."""

@@ -1,0 +1,1 @@
+"""The zinfjax train loop (zinfjax.training): faults, reliability, the examples."""
