@@ -1,5 +1,6 @@
 """The house's layering: every module in a layer, no import cycle, and the installed packages are the tree's."""
 
+import ast
 import pathlib
 import tomllib
 
@@ -81,3 +82,16 @@ def test_the_installed_packages_are_the_trees():
     tree = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "zinfjax").rglob("__init__.py")}
     assert set(setuptools["packages"]) == tree | {"zinfjax_interop"}
     assert setuptools["package-dir"] == {"zinfjax_interop": "interop"}  # nothing installs a top-level `interop`
+
+
+def test_no_module_over_600_lines_and_no_function_over_60():
+    too_long = []
+    for path in sorted([*(ROOT / "zinfjax").rglob("*.py"), *(ROOT / "interop").rglob("*.py")]):
+        text = path.read_text()
+        if len(text.splitlines()) > 600:
+            too_long.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
+                too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: "
+                                f"{node.end_lineno - node.lineno + 1} lines")
+    assert too_long == []
