@@ -47,7 +47,7 @@ def test_every_invariant_is_enforced_by_a_test_and_every_citation_names_one():
     stated = stated_invariants()
     assert stated, "docs/design.md states no invariants"
     this = pathlib.Path(__file__).resolve()
-    tests = [p for p in sorted((ROOT / "tests").glob("test_*.py")) if p != this and "\ndef test_" in p.read_text()]
+    tests = [p for p in sorted((ROOT / "tests").rglob("test_*.py")) if p != this and "\ndef test_" in p.read_text()]
     enforced = {n: [p.name for p in tests if n in citations(p)] for n in stated}
     unenforced = [f"{n} ({stated[n]})" for n, names in enforced.items() if not names]
     assert not unenforced, f"invariants of docs/design.md that no test module cites: {unenforced}"

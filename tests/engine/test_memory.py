@@ -111,7 +111,7 @@ def test_a_closed_engine_leaves_its_compiled_functions_to_the_collector(tmp_path
     c = config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), stage=3)
     engine = make_engine(c)
     engine.train_step(next(batches(c)))
-    held = {name: weakref.ref(getattr(engine, name)) for name in ("stage_fns", "plan", "units")}
+    held = {name: weakref.ref(getattr(engine, name)) for name in ("stage_fns", "update_plan", "units")}
     engine.close()
     del engine
     compiled.cache_clear()
