@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zinfjax.engine import reuse
+from zinfjax.engine._nested import NestedScan
 from zinfjax.engine._step_io import StepEngine, StepIO, track
 from zinfjax.engine._update import Updates
 from zinfjax.engine.readahead import Read
@@ -58,6 +59,7 @@ class Step:
         self.kept = _Kept()  # a stage's (or scan iteration's) saved residuals until its backward
         self.held = reuse.Held()  # parameters the forward read, kept for the backward (engine.reuse)
         self.final_carry: dict = {}  # each scan's last carry, by position: the shape of its cotangent
+        self.nests: dict = {}  # the scans whose bodies scan over tiles, by position (`NestedScan`)
         self.loss = None
         self.scale = jnp.float32(engine.loss_scale.value)
         self.ops: list[Op] = []
@@ -106,6 +108,8 @@ class Step:
                     self.loss = self.env[self.program.loss_var]
 
             return [Op("whole_fwd", stage.position, reads, run)]
+        if stage.body is not None:
+            return self._nested(stage).forward()
         return self._scan_forward(stage)
 
     def _carry_init(self, stage, params: dict) -> list:
@@ -193,7 +197,14 @@ class Step:
         """Whole groups whose gradient is complete once the stage at ``position`` has run its backward."""
         return [g for g in self.program.groups.values() if not g.streamed and g.position == position]
 
+    def _nested(self, stage) -> NestedScan:
+        if stage.position not in self.nests:
+            self.nests[stage.position] = NestedScan(self, stage, Op, label(self.program, stage))
+        return self.nests[stage.position]
+
     def _backward(self, stage) -> list[Op]:
+        if stage.kind == "scan" and stage.body is not None:
+            return self._nested(stage).backward() + self._update_done(stage.position)
         if stage.kind == "scan":
             return self._scan_backward(stage)
         groups, reads = self._param_reads(stage.params, 0)
@@ -222,7 +233,6 @@ class Step:
         groups, reads = self._param_reads(stage.params, 0)
         acts = self.engine.stores.acts[stage.position]
         owned = [g for g in self.program.streamed_groups() if g.position == stage.position]
-        done = self._completed(stage.position)
 
         def begin(trees):
             state["params"] = self._values(stage.params, groups, trees)
@@ -267,14 +277,17 @@ class Step:
             state.clear()
 
         ops.append(Op("scan_bwd_end", stage.position, [], end))
-        if done:
-            reads = [Read(track("params", g.name), self._store("params", g.name), 0) for g in done]
-            reads += [r for g in done for r in self.updates.reads(g.name, 0)]
-            ops.append(Op("update_whole", stage.position, reads,
-                          lambda trees: self.updates.update_whole(
-                              done, dict(zip([g.name for g in done], trees[: len(done)], strict=True)),
-                              trees[len(done):])))
-        return ops
+        return ops + self._update_done(stage.position)
+
+    def _update_done(self, position: int) -> list[Op]:
+        """The update of the whole groups whose gradient is complete once the scan at ``position`` ran its backward."""
+        done = self._completed(position)
+        if not done:
+            return []
+        reads = [Read(track("params", g.name), self._store("params", g.name), 0) for g in done]
+        reads += [r for g in done for r in self.updates.reads(g.name, 0)]
+        return [Op("update_whole", position, reads, lambda trees: self.updates.update_whole(
+            done, dict(zip([g.name for g in done], trees[: len(done)], strict=True)), trees[len(done):]))]
 
     def _casts_compute_copy(self, group: str, position: int, i: int) -> bool:
         """Whether the backward of unit ``i`` of ``group`` takes its compute copy from the fp32 master its fused

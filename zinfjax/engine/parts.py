@@ -54,7 +54,7 @@ def update_parts(program, plan, specs: list[StoreSpec], spooled: bool,
     by_kind = {(s.kind, s.group): s for s in specs}
     out = {}
     for g in program.streamed_groups():
-        if len(g.leaves) < 2 or not plan.separable(g.name):
+        if len(g.leaves) < 2 or g.sub is not None or not plan.separable(g.name):  # tiles are cut already
             continue
         if sub_group_size:
             sizes = [(k, math.prod(program.leaves[k].slice_shape)) for k in g.leaves]

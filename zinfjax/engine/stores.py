@@ -142,6 +142,8 @@ def state_slice_shape(program, s) -> tuple[int, ...]:
     leaf = program.leaves[s.param]
     if leaf.stream is None:
         return s.shape
+    if leaf.stream.tiles:  # the optimizer sees a tiled leaf with its layer and tile axes merged (`Leaf.opt_shape`)
+        return s.shape[1:]
     return leaf.stream.slice_shape(s.shape)
 
 

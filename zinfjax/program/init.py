@@ -74,7 +74,8 @@ class InitSource:
         for leaf in self.program.leaves_of(group):
             if leaf.index in self._by_scan:
                 eqn, j = self._by_scan[leaf.index]
-                out.append(self._iteration(eqn, i)[j])
+                tiles = leaf.stream.tiles
+                out.append(self._iteration(eqn, i // tiles)[j][i % tiles] if tiles else self._iteration(eqn, i)[j])
             elif self._chunk_fn(leaf.index) is not None:
                 out.append(self._chunk_fn(leaf.index)(self.rng, i * leaf.stream.rows))
             else:

@@ -71,7 +71,7 @@ class UpdatePlan:
         self.tx, self.program = tx, program
         leaves = program.leaves
         self.params_like = jax.tree_util.tree_unflatten(
-            program.params_tree, [jax.ShapeDtypeStruct(leaf.shape, jnp.float32) for leaf in leaves])
+            program.params_tree, [jax.ShapeDtypeStruct(leaf.opt_shape, jnp.float32) for leaf in leaves])
         state_like = jax.eval_shape(tx.init, self.params_like)
         flat, self.state_tree = jax.tree_util.tree_flatten_with_path(state_like)
         self.state = [dataclasses.replace(self._state_leaf(k, path_str(p), x), keys=plain_keys(p))
@@ -87,7 +87,7 @@ class UpdatePlan:
         group = None
         if owner is not None and np.ndim(x) >= 1:
             leaf = self.program.leaves[owner]
-            if leaf.stream is None or (np.shape(x)[0] == leaf.shape[0]):
+            if leaf.stream is None or (np.shape(x)[0] == leaf.opt_shape[0]):
                 group = leaf.group
         return StateLeaf(k, path, tuple(np.shape(x)), np.dtype(x.dtype), group, owner if group else None)
 
@@ -168,7 +168,7 @@ class UpdatePlan:
         leaf = self.program.leaves[g.leaves[0]]
         s = leaf.stream
         if s.rows == 0:
-            return Window(i, 1, leaf.shape[0])
+            return Window(i, 1, leaf.opt_shape[0])
         return Window(i * s.rows, s.valid_rows(i, leaf.shape[0]), leaf.shape[0])
 
     def crosses_of(self, group: str, sweep: int) -> list:

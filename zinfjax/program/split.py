@@ -34,215 +34,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zinfjax.errors import UserError
 from zinfjax.program import jaxpr as jx
-
-DOCS = "docs/models.md"
-
-
-class ProgramError(UserError):
-    """The loss function cannot be streamed as it is written."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Stream:
-    """How a parameter leaf is cut into the slices a scan reads, one per iteration.
-
-    ``rows == 0``: a stacked leaf ``(length, ...)``, slice ``i`` is ``leaf[i]``.
-    ``rows > 0``: row chunks, ``leaf`` padded with ``pad`` zero rows and reshaped to
-    ``(length, rows, ...)``; slice ``i`` is rows ``i*rows .. (i+1)*rows``.
-
-    Example:
-        >>> Stream(29, rows=1733).slice_shape((50257, 768))
-        (1733, 768)
-    """
-
-    length: int
-    rows: int = 0
-    pad: int = 0
-
-    def slice_shape(self, shape) -> tuple[int, ...]:
-        shape = tuple(int(d) for d in shape)
-        return shape[1:] if self.rows == 0 else (self.rows, *shape[1:])
-
-    def valid_rows(self, i: int, leaf_rows: int) -> int:
-        """Rows of slice ``i`` that belong to the leaf (the last chunk may be part padding)."""
-        return self.rows if self.rows == 0 else min(self.rows, leaf_rows - i * self.rows)
-
-
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-    """One parameter leaf of the user's tree.
-
-    Attributes:
-        index: its position among the flattened parameters.
-        path: its key path, ``a/b/c``.
-        shape, dtype: as the loss function sees it.
-        group: the store group it lives in (see `Group`).
-        stream: how it is cut into slices, or None when it is read whole.
-    """
-
-    index: int
-    path: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    group: str
-    stream: Stream | None
-    keys: tuple = ()  # the key path as plain keys (str, or int for a sequence index)
-
-    @property
-    def slice_shape(self) -> tuple[int, ...]:
-        return self.shape if self.stream is None else self.stream.slice_shape(self.shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class Group:
-    """Parameters stored, read and updated together: a scan's streamed leaves, or a stage's whole leaves.
-
-    A streamed group has ``length`` slices (layers or row chunks); a whole group has one. A leaf
-    belongs to the group of the first stage (in forward order) that uses it, which is the last
-    stage of the backward pass: its gradient is complete there.
-    """
-
-    name: str
-    position: int
-    leaves: tuple[int, ...]
-    length: int
-
-    @property
-    def streamed(self) -> bool:
-        return self.name.startswith("s:")
-
-
-@dataclasses.dataclass(eq=False)
-class Whole:
-    """A stretch of eqns between scans, run once per micro-batch."""
-
-    position: int
-    eqns: list
-    params: list[int]  # leaves it reads whole
-    inputs: list  # non-parameter variables it reads from outside (batch, rng, residuals)
-    outputs: list  # variables it defines that later stages read
-    kind: str = "whole"
-
-
-@dataclasses.dataclass(eq=False)
-class Scan:
-    """A streamed scan: one iteration per slice of its streamed leaves.
-
-    ``operands`` describes the body's inputs in order (consts, carry, xs), each one of
-    ``("param", leaf)`` a whole leaf, ``("stream", leaf)`` a leaf's slice, ``("var", v)`` a
-    residual (a per-iteration ``xs`` residual has the iteration axis after the micro-batch
-    axis), or ``("literal", value)``.
-    """
-
-    position: int
-    eqn: object
-    operands: list
-    params: list[int]  # whole leaves it reads (flax variable_broadcast)
-    streams: list[int]  # leaves it reads one slice at a time
-    inputs: list  # residual variables it reads
-    outputs: list  # its outputs that later stages read: final carry, stacked ys
-    kind: str = "scan"
-
-    @property
-    def length(self) -> int:
-        return int(self.eqn.params["length"])
-
-    @property
-    def reverse(self) -> bool:
-        return bool(self.eqn.params["reverse"])
-
-    @property
-    def num_consts(self) -> int:
-        return int(self.eqn.params["num_consts"])
-
-    @property
-    def num_carry(self) -> int:
-        return int(self.eqn.params["num_carry"])
-
-    def order(self) -> list[int]:
-        """The slices in the order the forward pass reads them."""
-        return list(reversed(range(self.length))) if self.reverse else list(range(self.length))
-
-    def _vars_in(self, lo: int, hi: int) -> list:
-        return [what for kind, what in self.operands[lo:hi] if kind == "var"]
-
-    @property
-    def const_vars(self) -> list:
-        """Residuals the body reads every iteration (masks, positions, an encoder's output)."""
-        return self._vars_in(0, self.num_consts)
-
-    @property
-    def carry_init(self) -> list:
-        """The carry's initial operands: ``(kind, what)`` pairs."""
-        return self.operands[self.num_consts : self.num_consts + self.num_carry]
-
-    @property
-    def xs_vars(self) -> list:
-        """Residuals stacked over iterations (per-layer dropout keys); slice ``i`` feeds iteration ``i``."""
-        return self._vars_in(self.num_consts + self.num_carry, len(self.operands))
-
-
-@dataclasses.dataclass(eq=False)
-class Program:
-    """A loss function as stages over parameter groups (see the module docstring)."""
-
-    closed: object  # the inlined closed jaxpr
-    leaves: list[Leaf]
-    groups: dict[str, Group]
-    stages: list
-    param_vars: list
-    batch_vars: list
-    rng_var: object
-    loss_var: object
-    params_tree: object
-    batch_tree: object
-    batch_like: list  # one micro-batch's leaves, as ShapeDtypeStruct
-
-    @property
-    def constants(self) -> dict:
-        """The jaxpr's constants: available to every stage."""
-        return dict(zip(self.closed.jaxpr.constvars, self.closed.consts, strict=True))
-
-    def leaves_of(self, group: str) -> list[Leaf]:
-        return [self.leaves[k] for k in self.groups[group].leaves]
-
-    def scans(self) -> list[Scan]:
-        return [s for s in self.stages if s.kind == "scan"]
-
-    def streamed_groups(self) -> list[Group]:
-        return [g for g in self.groups.values() if g.streamed]
-
-
-def store_slice(leaf, x, i: int):
-    """Slice ``i`` of leaf ``x`` as a store holds it: a layer, a row chunk padded to its rows, or the whole leaf.
-
-    Example:
-        >>> store_slice(leaf, np.zeros((10, 4)), 2).shape    # chunks of 4 rows, padded to 12
-        (4, 4)
-    """
-    stream = leaf.stream
-    if stream is None:
-        return x
-    if stream.rows == 0:
-        return x[i]
-    chunk = x[i * stream.rows : (i + 1) * stream.rows]
-    pad = stream.rows - chunk.shape[0]
-    if pad:
-        chunk = jnp.pad(jnp.asarray(chunk), [(0, pad)] + [(0, 0)] * (np.ndim(x) - 1))
-    return chunk
-
-
-def unslice(leaf, slices: list):
-    """A whole leaf from its store slices (the inverse of `store_slice`)."""
-    stream = leaf.stream
-    if stream is None:
-        (x,) = slices
-        return x
-    if stream.rows == 0:
-        return jnp.stack(slices)
-    return jnp.concatenate(slices)[: leaf.shape[0]]
+from zinfjax.program.ir import (  # noqa: F401 - the program's parts, where they were defined before
+    DOCS,
+    Group,
+    Leaf,
+    Program,
+    ProgramError,
+    Scan,
+    Stream,
+    Whole,
+    store_slice,
+    unslice,
+)
+from zinfjax.program.nested import nest
 
 
 def split(loss_fn, params_like, batch_like, with_rng: bool = False) -> Program:
@@ -272,7 +77,7 @@ def split(loss_fn, params_like, batch_like, with_rng: bool = False) -> Program:
         batch_like=b_leaves)
     program.leaves = [dataclasses.replace(leaf, keys=plain_keys(p)) for leaf, (p, _) in zip(program.leaves, p_leaves,
                                                                                               strict=True)]
-    return program
+    return nest(program, _Splitter)
 
 
 def plain_keys(path) -> tuple:
@@ -414,6 +219,12 @@ class _Splitter:
     # ---- the split -----------------------------------------------------------------------------
 
     def build(self, **fields) -> Program:
+        stages, leaves, groups = self.cut([fields["loss_var"]])
+        return Program(closed=self.closed, leaves=leaves, groups=groups, stages=stages, param_vars=self.param_vars,
+                       **fields)
+
+    def cut(self, finals: list):
+        """The stages, leaves and groups of the eqns, whose results ``finals`` (the loss) are read after the last."""
         scans = self._find_scans()
         absorbed = {id(e) for _, views in scans for _, _, eqs in views.values() for e in eqs}
         streams = self._streams(scans)
@@ -421,7 +232,7 @@ class _Splitter:
         last = 2 * len(scans)
         rest = [e for e in self.eqns if id(e) not in absorbed and id(e) not in scan_pos]
         self._check_absorbed(scans, absorbed)
-        placed = self._place(rest, scan_pos, last, fields["loss_var"])
+        placed = self._place(rest, scan_pos, last, finals)
         whole_use = self._whole_uses(placed, scans, scan_pos)
         for leaf in set(whole_use) & set(streams):
             raise ProgramError(f"parameter {self.paths[leaf]} is used both one layer at a time (by a scan) and whole; "
@@ -432,9 +243,8 @@ class _Splitter:
             stages.append(self._whole(2 * k, placed))
             stages.append(self._scan(2 * k + 1, eqn, views))
         stages.append(self._whole(last, placed))
-        self._wire(stages, fields["loss_var"])
-        return Program(closed=self.closed, leaves=leaves, groups=groups, stages=stages, param_vars=self.param_vars,
-                       **fields)
+        self._wire(stages, finals)
+        return stages, leaves, groups
 
     def _check_absorbed(self, scans, absorbed) -> None:
         """A padded or reshaped parameter view must feed streamed scans only."""
@@ -462,10 +272,10 @@ class _Splitter:
                                    f"({sorted({str(s) for _, s in uses})}); cut it the same way in each")
         return streams
 
-    def _place(self, rest, scan_pos, last, loss_var) -> dict[int, int]:
+    def _place(self, rest, scan_pos, last, finals) -> dict[int, int]:
         """Each eqn's stretch: just before its first reader (latest placement)."""
         rest_ids = {id(e) for e in rest}
-        where = {loss_var: last}  # variable -> position of its first reader
+        where = {v: last for v in finals}  # variable -> position of its first reader
         placed: dict[int, int] = {}
         for k in reversed(range(len(self.eqns))):
             eqn = self.eqns[k]
@@ -547,7 +357,7 @@ class _Splitter:
                 operands.append(("literal", a.val))
         return Scan(position, eqn, operands, sorted(set(params)), streams, inputs, outputs=[])
 
-    def _wire(self, stages, loss_var) -> None:
+    def _wire(self, stages, finals) -> None:
         """Each stage's outputs: the variables it defines that a later stage (or the loss) reads."""
         defined_by: dict = {}
         for stage in stages:
@@ -555,7 +365,7 @@ class _Splitter:
             for v in outs:
                 if jx.is_var(v):
                     defined_by[v] = stage
-        readers = [(s, s.inputs) for s in stages] + [(None, [loss_var])]
+        readers = [(s, s.inputs) for s in stages] + [(None, finals)]
         for _, reads in readers:
             for v in reads:
                 stage = defined_by.get(v)

@@ -253,6 +253,11 @@ class StageFunctions:
 
         return jax.jit(bwd)
 
+    @instance_cache
+    def body_fns(self, position: int) -> StageFunctions:
+        """The stage functions of the body of the nested scan at ``position`` (`zinfjax.program.nested.Body`)."""
+        return StageFunctions(self._stage(position).body, self.placement, self.micro)
+
     def _stage(self, position: int):
         return next(s for s in self.program.stages if s.position == position)
 

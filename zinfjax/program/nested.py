@@ -1,0 +1,145 @@
+"""A streamed scan whose body scans again, over tiles: the body cut into the stages one layer runs.
+
+A layer too large to hold at once is written as a scan over its tiles inside the scan over layers
+(`zinfjax.models.tiled`'s ``TiledMLP`` and ``TiledDense``: an ``nn.scan`` inside the ``nn.scan`` of
+the blocks), so its tile leaves are ``(layers, tiles, ...)``. The engine streams such a layer as it
+streams the model: the outer scan's body is cut again, at its inner streamed scans, into whole
+stretches and tile scans (a `Body`), and each leaf of the layer gets a group of its own kind:
+
+- a tile leaf (an inner scan's ``xs``): a group of ``layers * tiles`` units, unit ``i * tiles + t``
+  being tile ``t`` of layer ``i`` (`Stream` with ``tiles``), updated as soon as that tile's backward ran;
+- every other leaf of the layer: a group of ``layers`` units, owned by the body's first stage that
+  uses it (its gradient is complete once that stage's backward ran).
+
+So one operation holds one tile (or the rest of one layer), never a whole layer. A tile leaf must be
+used by its tile scan alone, and a nested scan's leaves by no other scan; anything else is refused by
+name.
+
+Example:
+    >>> program = split(loss_fn, params_like, batch_like)     # blocks with a tiled MLP inside
+    >>> sorted((g.name, g.length) for g in program.streamed_groups())
+    [('s:blocks', 2), ('s:blocks.b_out', 2), ('s:blocks.tiles', 8)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.extend.core as jc
+
+from zinfjax.program import jaxpr as jx
+from zinfjax.program.ir import DOCS, Group, ProgramError, Stream
+
+
+@dataclasses.dataclass(eq=False)
+class Body:
+    """An outer scan's body as stages (positions ``0 .. 2n``): what one outer iteration runs.
+
+    It has what `zinfjax.program.stages.StageFunctions` needs of a program (``constants``,
+    ``param_vars`` by leaf index, ``stages``), so the stage functions of a body are built as a program's.
+    """
+
+    closed: object  # the body's closed jaxpr, every call inlined
+    stages: list
+    param_vars: dict  # leaf index -> the body variable that holds it (a layer's slice, or a whole parameter)
+    num_consts: int
+    num_carry: int
+
+    @property
+    def constants(self) -> dict:
+        return dict(zip(self.closed.jaxpr.constvars, self.closed.consts, strict=True))
+
+    @property
+    def invars(self) -> list:
+        return list(self.closed.jaxpr.invars)
+
+    @property
+    def outvars(self) -> list:
+        return list(self.closed.jaxpr.outvars)
+
+
+def nest(program, splitter):
+    """``program`` with each streamed scan whose body scans over tiles cut again (see the module docstring).
+
+    ``splitter(closed, eqns, param_vars, paths)`` is `zinfjax.program.split`'s cutter, so a body is cut by the
+    same rules as the loss.
+    """
+    for stage in program.scans():
+        body = _body(program, stage, splitter)
+        if body is not None:
+            stage.body = body
+            _regroup(program, stage)
+    return program
+
+
+def _body(program, stage, splitter) -> Body | None:
+    closed = jx.inline_calls(stage.eqn.params["jaxpr"], keep=lambda jaxpr: False)
+    invars = closed.jaxpr.invars
+    held = {what: invars[j] for j, (kind, what) in enumerate(stage.operands) if kind in ("stream", "param")}
+    tile_views = {invars[j] for j, (kind, _) in enumerate(stage.operands) if kind == "stream"}
+    if not any(e.primitive.name == jx.SCAN and set(jx.scan_parts(e)[2]) & tile_views for e in closed.jaxpr.eqns):
+        return None
+    paths = [leaf.path for leaf in program.leaves]
+    for k in stage.streams:
+        if program.leaves[k].stream.rows:
+            raise ProgramError(f"parameter {paths[k]} is streamed in row chunks by a scan whose body scans over "
+                               f"tiles; stack its layers instead (see {DOCS})")
+    param_vars = [held.get(k, jc.Var(jax.core.ShapedArray((), "float32"))) for k in range(len(program.leaves))]
+    finals = [v for v in closed.jaxpr.outvars if jx.is_var(v)]
+    eqns = jx.dce(closed.jaxpr.eqns, finals)
+    stages, _, _ = splitter(closed, eqns, param_vars, paths).cut(finals)
+    return Body(closed, stages, held, stage.num_consts, stage.num_carry)
+
+
+def _owners(program, stage) -> dict[int, tuple[int, int]]:
+    """Each leaf the scan streams: ``(the body stage that owns it, its tiles)`` (tiles 0: a layer leaf)."""
+    body, out = stage.body, {}
+    for k in stage.streams:
+        users = [s for s in body.stages if k in s.params or (s.kind == "scan" and k in s.streams)]
+        tiled = [s for s in users if s.kind == "scan" and k in s.streams]
+        if tiled and len(users) > 1:
+            raise ProgramError(f"tile parameter {program.leaves[k].path} is used outside its tile scan; a tile "
+                               f"leaf must be read by its own scan over tiles alone (see {DOCS})")
+        owner = users[0] if users else body.stages[0]
+        out[k] = (owner.position, tiled[0].length if tiled else 0)
+    return out
+
+
+def _regroup(program, stage) -> None:
+    """The scan's group replaced by one group per owning body stage (see the module docstring)."""
+    for other in program.scans():
+        if other is not stage and set(other.streams) & set(stage.streams):
+            raise ProgramError(f"parameter {program.leaves[sorted(set(other.streams) & set(stage.streams))[0]].path} "
+                               "is streamed by two scans, one of them over tiles; zinfjax streams a tiled layer's "
+                               "parameters in one scan")
+    owners = _owners(program, stage)
+    members: dict[tuple, list[int]] = {}
+    for k, key in sorted(owners.items()):
+        members.setdefault(key, []).append(k)
+    old = {program.leaves[k].group for k in stage.streams}
+    groups = {}
+    for name, g in program.groups.items():
+        if name not in old:
+            groups[name] = g
+            continue
+        for (sub, tiles), ks in sorted(members.items()):
+            new = _name(program, ks, sub, groups)
+            length = stage.length * (tiles or 1)
+            groups[new] = Group(new, stage.position, tuple(ks), length, sub=sub)
+            for k in ks:
+                program.leaves[k] = dataclasses.replace(program.leaves[k], group=new,
+                                                        stream=Stream(length, tiles=tiles))
+    program.groups = groups
+
+
+def _name(program, leaves: list[int], sub: int, taken: dict) -> str:
+    """``s:`` and the leaves' common path prefix; ``@`` and the body stage where that is taken."""
+    parts = [program.leaves[k].path.split("/") for k in leaves]
+    common = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    name = "s:" + (".".join(common) or "params")
+    return name if name not in taken else f"{name}@{sub}"
