@@ -1,0 +1,130 @@
+"""Layers whose blocks scan again over tiles stream tile by tile, exactly (`zinfjax.program.nested`).
+
+A Linen model whose blocks (an ``nn.scan`` over layers) each run their MLP as an ``nn.scan`` over
+four tiles of its hidden dimension: through `zinfjax.wrap`, every tile is a unit of its own (read,
+updated and written alone), and the run equals the plain in-memory optax loop over the same
+``loss_fn`` and batches: losses within 1e-6 relative and parameters within 1e-6 (whole-tree relative
+L2), as every engine path is held (docs/engine.md, "Exactness"). The order of the operations does not
+depend on where the state lives, so the tiers agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import zinfjax
+from tests.test_any_model import assert_exact, in_memory_loop, zero_gradient_leaves
+from zinfjax.program.split import ProgramError, split
+
+LAYERS, TILES, STEPS = 2, 4, 5
+
+
+class Tile(nn.Module):
+    """One tile of an MLP: ``acc + gelu(h W_in[:, t] + b_in[t]) W_out[t, :]``."""
+
+    d: int
+    f: int
+
+    @nn.compact
+    def __call__(self, acc, h):
+        u = nn.gelu(nn.Dense(self.f, name="w_in")(h))
+        return acc + nn.Dense(self.d, use_bias=False, name="w_out")(u), None
+
+
+class Block(nn.Module):
+    d: int
+    tiles: int
+    reuse_tile: bool = False  # a bad model: its tile kernels also read whole, outside their scan
+
+    @nn.compact
+    def __call__(self, x, _):
+        x = x + nn.Dense(self.d, name="attn")(nn.LayerNorm(name="ln")(x))
+        h = nn.LayerNorm(name="ln2")(x)
+        tiles = nn.scan(Tile, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=nn.broadcast,
+                        length=self.tiles)(self.d, 4 * self.d // self.tiles, name="mlp")
+        acc, _ = tiles(jnp.zeros_like(x), h)
+        if self.reuse_tile:
+            acc = acc + jnp.sum(self.variables["params"]["mlp"]["w_out"]["kernel"])
+        return x + acc + self.param("b_out", nn.initializers.zeros, (self.d,))[None, None], None
+
+
+class TiledLM(nn.Module):
+    vocab: int = 64
+    d: int = 32
+    tiles: int = TILES
+    reuse_tile: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.d, name="wte")(tokens)
+        blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)
+        x, _ = blocks(self.d, self.tiles, self.reuse_tile, name="blocks")(x, None)
+        return nn.Dense(self.vocab, name="head")(nn.LayerNorm(name="lnf")(x))
+
+
+def make_loss(model):
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["x"])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][..., None], -1))
+
+    return loss_fn
+
+
+def batches(n: int = STEPS, rows: int = 8):
+    """Two random batches in turn: enough for the loss to fall within a few steps."""
+    rng = np.random.default_rng(0)
+    two = [{k: jnp.asarray(rng.integers(0, 64, (rows, 16)), jnp.int32) for k in ("x", "y")} for _ in range(2)]
+    return [two[n % 2] for n in range(n)]
+
+
+def wrapped_run(model, tx, data, tmp_path, tier="nvme", **config):
+    params = model.init(jax.random.key(0), data[0]["x"])["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    tiers = dict(params=tier, optimizer=tier, gradients=tier, activations=tier)
+    c = zinfjax.Config(nvme_path=str(tmp_path / tier), **tiers, **config)
+    with zinfjax.wrap(state, c, loss_fn=make_loss(model)) as wrapped:
+        losses = [wrapped.train_step(b)[1]["loss"] for b in data]
+        groups = {g.name: g.length for g in wrapped.engine.program.streamed_groups()}
+        stores = {name: s.tier for name, s in wrapped.engine.stores.params.items()}
+        return params, losses, jax.tree.map(np.asarray, wrapped.read_params()), groups, stores
+
+
+def test_each_tile_is_a_unit_and_the_run_is_the_in_memory_loop(tmp_path):
+    model, tx, data = TiledLM(), optax.adamw(1e-3, weight_decay=0.01), batches()
+    params, losses, out, groups, stores = wrapped_run(model, tx, data, tmp_path)
+    assert groups == {"s:blocks": LAYERS, "s:blocks.b_out": LAYERS, "s:blocks.mlp": LAYERS * TILES}
+    assert set(stores.values()) == {"nvme"}
+    ref_losses, ref_params = in_memory_loop(make_loss(model), params, tx, data)
+    assert_exact(losses, ref_losses, out, ref_params, zero_gradient_leaves(make_loss(model), params, data[0]))
+    _, host_losses, host_out, _, _ = wrapped_run(model, tx, data, tmp_path, tier="host")
+    assert host_losses == losses  # bit for bit: the tier does not change the order of the operations
+    for a, b in zip(jax.tree.leaves(host_out), jax.tree.leaves(out), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_tiles_at_stage_3_on_4_devices_with_accumulation(tmp_path):
+    model, tx, data = TiledLM(), optax.adam(1e-3), batches()
+    params, losses, out, _, _ = wrapped_run(model, tx, data, tmp_path, stage=3, mesh="data:4", grad_accum=2)
+    ref_losses, ref_params = in_memory_loop(make_loss(model), params, tx, data, accum=2, mesh="data:4")
+    assert_exact(losses, ref_losses, out, ref_params, zero_gradient_leaves(make_loss(model), params, data[0]))
+
+
+def test_an_optimizer_of_several_sweeps_spools_each_tile(tmp_path):
+    """lamb's trust ratio needs each leaf's norm over every tile of every layer: a second sweep."""
+    model, tx, data = TiledLM(), optax.lamb(1e-2), batches(3)
+    params, losses, out, _, _ = wrapped_run(model, tx, data, tmp_path)
+    ref_losses, ref_params = in_memory_loop(make_loss(model), params, tx, data)
+    assert_exact(losses, ref_losses, out, ref_params, zero_gradient_leaves(make_loss(model), params, data[0]))
+
+
+def test_a_tile_leaf_read_outside_its_tile_scan_is_refused_by_name():
+    model, data = TiledLM(reuse_tile=True), batches(1)
+    params = model.init(jax.random.key(0), data[0]["x"])["params"]
+    with pytest.raises(ProgramError, match="parameter blocks/mlp/w_out/kernel is used both one layer at a time"):
+        split(make_loss(model), params, data[0])
