@@ -53,6 +53,7 @@ class Config:
     host_buffer_bytes: int | None = None  # None: from memory_limit
     memory_limit: int | None = None  # None: the cgroup's limit or the available memory, less a margin
     sub_group_size: int | None = None  # parameters per update part; None: parts only when memory needs them
+    tiles: str = "auto"  # a block's MLP and attention in this many tiles (models/tiling.py); auto: the fewest that fit
     update_on: str = "auto"  # where the optimizer update runs: device, host, or auto (engine.update_location)
     recompute: str = "auto"  # rerun each layer's forward in its backward: always, never or auto (docs/engine.md)
     max_reuse_distance: int | None = None  # keep parameters for the backward; unset: what fits (engine/reuse.py)
@@ -303,6 +304,9 @@ def _validate(c: Config) -> None:
     _check(c.update_on != "host" or c.optimizer != "device",
            "update_on=host runs the update where the optimizer state is, so it needs optimizer=host or nvme "
            "(optimizer=device)")
+    _check(c.tiles == "auto" or (c.tiles.isdigit() and int(c.tiles) >= 1),
+           f"tiles={c.tiles!r} is not allowed; use auto (the fewest tiles whose largest operation fits memory) or a "
+           "positive count that divides the model's d_ff and heads")
     for key in ("host_buffer_bytes", "memory_limit", "sub_group_size"):
         _check(getattr(c, key) is None or getattr(c, key) > 0, f"{key}={getattr(c, key)} must be positive")
     _check(c.precision in PRECISIONS, f"precision={c.precision!r} is not allowed; use {', '.join(PRECISIONS)}")
@@ -354,6 +358,9 @@ KEY_DOCS = {
     "sub_group_size": "update a layer in parts of at most this many parameters (each leaf whole), reading and "
                       "writing each part's optimizer state alone, as DeepSpeed's sub_group_size; default: one "
                       "update per layer, and parts only when memory_limit needs them",
+    "tiles": "run each block's MLP over this many tiles of its hidden units and its attention over as many groups "
+             "of heads, streamed one tile at a time (memory-centric tiling; the parameters are the same); auto "
+             "(default): untiled when the largest layer fits memory_limit, else the fewest tiles that fit",
     "update_on": "where the optimizer update runs: device, host (the host CPU, beside the optimizer state on host "
                  "or nvme: only gradients go down and the compute copy comes up) or auto (host when the optimizer "
                  "state is off an accelerator, device on the CPU backend)",

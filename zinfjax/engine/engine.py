@@ -12,6 +12,7 @@ gradients inside their jitted bodies, and each update runs on the optimizer stat
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,8 @@ from zinfjax.engine import crash_marker, reuse
 from zinfjax.engine._step import Step
 from zinfjax.engine._step_io import StepIO
 from zinfjax.engine.budget import LIVE_BASE, NVME_MMAP_THRESHOLD, memory_capped
-from zinfjax.engine.compile_cache import compiled
-from zinfjax.engine.engine_plan import PlanInputs, plan_engine, update_location
+from zinfjax.engine.compile_cache import Compiled, compiled
+from zinfjax.engine.engine_plan import EnginePlan, PlanInputs, plan_engine, update_location
 from zinfjax.engine.loss_scale import LossScale
 from zinfjax.engine.readahead import ReadAhead
 from zinfjax.engine.stores import build_stores, spools_gradients, store_specs, tied_groups
@@ -44,6 +45,55 @@ class BatchError(UserError):
     """A batch that does not match what the state was wrapped for."""
 
 
+class Prepared(NamedTuple):
+    """What an engine settles before it opens a store: its layout, its stores' specs and its plan (`prepare`)."""
+
+    compute_dtype: object
+    rules: ShardingRules
+    platform: str  # the compute devices' platform: "cpu", "gpu", "tpu"
+    update_on: str
+    host_kind: str
+    host_kind_fallback: str | None
+    layout: Compiled
+    spools_gradients: bool
+    specs: list
+    acts: dict
+    residual_bytes: int
+    planned: EnginePlan
+
+
+def prepare(program: Program, tx, config: Config, mesh: Mesh, tp_rules: tuple = (),
+            threshold: int = PERSISTENCE_THRESHOLD) -> Prepared:
+    """Everything an `Engine` decides before it opens a store: raises where the engine would (a memory budget
+    that cannot train the program, a micro-batch that does not split), and opens nothing."""
+    compute_dtype = COMPUTE_DTYPES[config.precision]
+    rules = ShardingRules.for_mesh(mesh, config.stage, tp_rules, threshold)
+    platform = mesh.devices.flat[0].platform
+    update_on = update_location(config, platform)
+    on_host = update_on == "host"
+    host_kind, fallback = host_tier_kind(mesh.devices.flat[0], on_host)
+    params_kind = host_kind if on_host and config.params != "device" else "device"
+    layout = compiled(program, tx, rules, mesh, compute_dtype, config.grad_accum, on_host, params_kind, host_kind)
+    _check_micro_batch(program, mesh)
+    spools = spools_gradients(config, layout.plan)
+    specs, acts = store_specs(config, program, layout.plan, layout.placement, compute_dtype)
+    # What this process's devices hold of one step's saved residuals, at most: the batch's rows split over data.
+    residuals = residual_bytes(program, config.grad_accum) * len(mesh.local_devices) // mesh.shape["data"]
+    planned = plan_engine(PlanInputs(config, program, layout.plan, specs, list(acts.values()), platform, residuals,
+                                     spools, on_host))
+    return Prepared(compute_dtype, rules, platform, update_on, host_kind, fallback, layout, spools, specs, acts,
+                    residuals, planned)
+
+
+def _check_micro_batch(program: Program, mesh: Mesh) -> None:
+    data = mesh.shape["data"]
+    rows = {np.shape(x)[0] for x in program.batch_like if np.ndim(x)}
+    bad = [r for r in rows if r % data]
+    if bad:
+        raise BatchError(f"a micro-batch of {bad[0]} rows does not split over the {data} devices of the data "
+                         f"axis; make batch_size / grad_accum a multiple of {data}")
+
+
 class Engine:
     """Trains a `Program` with its state on the tiers of ``config``.
 
@@ -58,27 +108,20 @@ class Engine:
     def __init__(self, program: Program, source, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
                  tp_rules: tuple = (), threshold: int = PERSISTENCE_THRESHOLD):
         self.program, self.config, self.mesh, self.tx = program, config, mesh, tx
-        self.compute_dtype = COMPUTE_DTYPES[config.precision]
-        self.rules = ShardingRules.for_mesh(mesh, config.stage, tp_rules, threshold)
-        self.platform = mesh.devices.flat[0].platform  # "cpu", "gpu", "tpu"
-        self.update_on = update_location(config, self.platform)
-        self.on_host = self.update_on == "host"
+        ready = prepare(program, tx, config, mesh, tp_rules, threshold)
+        self.compute_dtype, self.rules, self.platform = ready.compute_dtype, ready.rules, ready.platform
+        self.update_on, self.on_host = ready.update_on, ready.update_on == "host"
         # The host tier's memory kind, and why it is not pinned_host (recorded in the log): `host_tier_kind`.
-        self.host_kind, self.host_kind_fallback = host_tier_kind(mesh.devices.flat[0], self.on_host)
-        params_kind = self.host_kind if self.on_host and config.params != "device" else "device"
-        layout = compiled(program, tx, self.rules, mesh, self.compute_dtype, config.grad_accum, self.on_host,
-                          params_kind, self.host_kind)
-        self.placement, self.stage_fns = layout.placement, layout.stage_fns
-        self.update_plan, self.units = layout.plan, layout.units
+        self.host_kind, self.host_kind_fallback = ready.host_kind, ready.host_kind_fallback
+        self.placement, self.stage_fns = ready.layout.placement, ready.layout.stage_fns
+        self.update_plan, self.units = ready.layout.plan, ready.layout.units
         self.loss_scale = LossScale(config.precision == "fp16")
-        self.spools_gradients = spools_gradients(config, self.update_plan)
+        self.spools_gradients = ready.spools_gradients
         self.micro = config.grad_accum
-        self._check_micro_batch()
         self._tied = tied_groups(program)  # the streamed groups other scans stream too
-        specs, acts = store_specs(config, program, self.update_plan, self.placement, self.compute_dtype)
-        self.residual_bytes = self._residual_bytes()
-        planned = plan_engine(PlanInputs(config, program, self.update_plan, specs, list(acts.values()), self.platform,
-                                         self.residual_bytes, self.spools_gradients, self.on_host))
+        specs, acts, planned = ready.specs, ready.acts, ready.planned
+        self.planned_needs = planned.needs  # the (read, write, resident) bytes the budget was planned for
+        self.residual_bytes = ready.residual_bytes
         self.parts, self.budget, self.saves_residuals = planned.parts, planned.budget, planned.saves_residuals
         self.reuse = planned.reuse
         self.handoff = planned.handoff  # not "carry": that is a scan's loop carry
@@ -107,23 +150,20 @@ class Engine:
     # ---- set-up ------------------------------------------------------------------------------
 
     @property
+    def tiles(self) -> int:
+        """The tiles of the layers' tile scans (`zinfjax.program.nested`): 1 when no scan is tiled."""
+        return max((leaf.stream.tiles for leaf in self.program.leaves if leaf.stream), default=0) or 1
+
+    @property
+    def largest_operation_bytes(self) -> int:
+        """What the step's largest operation reads: a unit's slices of every kind and an activation checkpoint."""
+        return self.planned_needs[0]
+
+    @property
     def num_layers(self) -> int:
         """Slices of the longest streamed group (the layers of a transformer)."""
         return max((g.length for g in self.program.streamed_groups()), default=1)
 
-    def _residual_bytes(self) -> int:
-        """What this process's devices hold of one step's saved residuals, at most (`residual_bytes`): the
-        batch's rows split over the data axis."""
-        total = residual_bytes(self.program, self.micro)
-        return total * len(self.mesh.local_devices) // self.mesh.shape["data"]
-
-    def _check_micro_batch(self) -> None:
-        data = self.mesh.shape["data"]
-        rows = {np.shape(x)[0] for x in self.program.batch_like if np.ndim(x)}
-        bad = [r for r in rows if r % data]
-        if bad:
-            raise BatchError(f"a micro-batch of {bad[0]} rows does not split over the {data} devices of the data "
-                             f"axis; make batch_size / grad_accum a multiple of {data}")
 
     def _release_scratch(self) -> None:
         """With the state on nvme, memory is the budget: give the compiler's freed scratch back to the system."""

@@ -6,6 +6,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 from zinfjax._util.mapping_files import read_mapping
 from zinfjax.errors import ConfigError
 from zinfjax.models.vocab import vocab_chunks
@@ -35,6 +37,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     type_vocab_size: int = 2  # bert: token types (segments)
     vocab_chunks: int = 0  # row chunks the vocabulary table streams in; 0: about 8 MiB each (models/vocab.py)
+    tiles: int = 1  # a block's MLP and attention run over this many tiles (models/tiling.py); the params are the same
 
     @property
     def head_dim(self) -> int:
@@ -94,8 +97,33 @@ class ModelConfig:
         except TypeError as e:
             raise ConfigError(f"{where}: {e}") from e
 
+    def __post_init__(self):
+        if self.tiles != 1 and self.arch == "bert":
+            raise ConfigError(f"tiles={self.tiles}: BERT's blocks are not tiled; use tiles=1")
+        if self.tiles != 1:
+            check_tiles(self.tiles, {"d_ff": self.d_ff, "n_heads": self.n_heads, "n_kv_heads": self.kv_heads})
+
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_tiles(tiles: int, dims: dict[str, int]) -> None:
+    """A tile count that divides every dimension it cuts; the error names the ones that work.
+
+    Example:
+        >>> check_tiles(3, {"d_ff": 256, "n_heads": 8})
+        Traceback (most recent call last):
+        ...
+        zinfjax.errors.ConfigError: tiles=3 does not divide d_ff=256; tile counts that divide d_ff and n_heads: ...
+    """
+    if tiles < 1:
+        raise ConfigError(f"tiles={tiles} must be a positive count (or auto)")
+    bad = [name for name, n in dims.items() if n % tiles]
+    if bad:
+        common = np.gcd.reduce(list(dims.values()))
+        divisors = [str(k) for k in range(1, common + 1) if common % k == 0]
+        raise ConfigError(f"tiles={tiles} does not divide {', '.join(f'{b}={dims[b]}' for b in bad)}; tile counts "
+                          f"that divide {', '.join(dims)}: {', '.join(divisors)}")
 
 
 def _gpt2(vocab, ctx, d, layers, heads) -> ModelConfig:

@@ -23,6 +23,7 @@ from zinfjax.models import products
 from zinfjax.models.attention import cached_attention, causal_attention
 from zinfjax.models.configs import ModelConfig
 from zinfjax.models.stacked import StackedLM
+from zinfjax.models.tiling import DenseWeights, contract, tile_view, tiled_sum
 from zinfjax.models.vocab import VocabTable, cross_entropy, lookup
 
 Dtype = Any
@@ -57,6 +58,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, h: jax.Array, _: Any = None, cache: dict | None = None, pos: Any = 0) -> tuple[jax.Array, Any]:
         c = self.config
+        if c.tiles > 1 and cache is None:
+            return self._tiled(h), cache
         dense = partial(nn.DenseGeneral, dtype=self.dtype, kernel_init=normal(0.02), dot_general=products.dot_general)
         out_init = normal(0.02 / math.sqrt(2 * c.n_layers))
         norm = partial(nn.LayerNorm, epsilon=c.norm_eps, dtype=self.dtype)
@@ -72,6 +75,31 @@ class Block(nn.Module):
         x = nn.gelu(dense(c.d_ff, name="fc")(x), approximate=True)
         h = h + dense(c.d_model, kernel_init=out_init, name="proj")(x)
         return h, cache
+
+    def _tiled(self, h: jax.Array) -> jax.Array:
+        """The block with its attention over ``tiles`` groups of heads and its MLP over ``tiles`` tiles
+        (`zinfjax.models.tiling`): the same parameters, the same values."""
+        c, t, dt = self.config, self.config.tiles, self.dtype
+        out_init = normal(0.02 / math.sqrt(2 * c.n_layers))
+        norm = partial(nn.LayerNorm, epsilon=c.norm_eps, dtype=dt)
+        heads = (c.n_heads, c.head_dim)
+        qkv = [DenseWeights((c.d_model,), heads, normal(0.02), name=n)() for n in ("q", "k", "v")]
+        wo, bo = DenseWeights(heads, (c.d_model,), out_init, name="attn_out")()
+
+        def group(x, wq, bq, wk, bk, wv, bv, wo_t):
+            q, k, v = (contract(x, w, 1, dt) + b.astype(dt) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+            return contract(causal_attention(q, k, v), wo_t, 2, dt)
+
+        views = tuple(v for w, b in qkv for v in (tile_view(w, 1, t), tile_view(b, 0, t))) + (tile_view(wo, 0, t),)
+        h = h + tiled_sum(group, norm(name="ln_1")(h), views, dt) + bo.astype(dt)
+        wf, bf = DenseWeights((c.d_model,), (c.d_ff,), normal(0.02), name="fc")()
+        wp, bp = DenseWeights((c.d_ff,), (c.d_model,), out_init, name="proj")()
+
+        def mlp(x, wf_t, bf_t, wp_t):
+            return contract(nn.gelu(contract(x, wf_t, 1, dt) + bf_t.astype(dt), approximate=True), wp_t, 1, dt)
+
+        views = (tile_view(wf, 1, t), tile_view(bf, 0, t), tile_view(wp, 0, t))
+        return h + tiled_sum(mlp, norm(name="ln_2")(h), views, dt) + bp.astype(dt)
 
 
 class Head(nn.Module):

@@ -21,6 +21,7 @@ from zinfjax.models import products
 from zinfjax.models.attention import cached_attention, causal_attention
 from zinfjax.models.configs import ModelConfig
 from zinfjax.models.stacked import StackedLM
+from zinfjax.models.tiling import DenseWeights, contract, tile_view, tiled_sum
 from zinfjax.models.vocab import VocabTable, cross_entropy, lookup
 
 Dtype = Any
@@ -59,6 +60,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, h: jax.Array, _: Any = None, cache: dict | None = None, pos: Any = 0) -> tuple[jax.Array, Any]:
         c = self.config
+        if c.tiles > 1 and cache is None:
+            return self._tiled(h), cache
         dense = partial(nn.DenseGeneral, use_bias=False, dtype=self.dtype, kernel_init=normal(0.02),
                         dot_general=products.dot_general)
         norm = partial(nn.RMSNorm, epsilon=c.norm_eps, dtype=self.dtype)
@@ -75,6 +78,32 @@ class Block(nn.Module):
         x = norm(name="mlp_norm")(h)
         x = nn.silu(dense(c.d_ff, name="gate")(x)) * dense(c.d_ff, name="up")(x)
         return h + dense(c.d_model, name="down")(x), cache
+
+    def _tiled(self, h: jax.Array) -> jax.Array:
+        """The block with its attention over ``tiles`` groups of query and key-value heads and its MLP over
+        ``tiles`` tiles (`zinfjax.models.tiling`): the same parameters, the same values."""
+        c, t, dt = self.config, self.config.tiles, self.dtype
+        weights = partial(DenseWeights, kernel_init=normal(0.02), use_bias=False)
+        norm = partial(nn.RMSNorm, epsilon=c.norm_eps, dtype=dt)
+        wq = weights((c.d_model,), (c.n_heads, c.head_dim), name="q")()[0]
+        wk, wv = (weights((c.d_model,), (c.kv_heads, c.head_dim), name=n)()[0] for n in ("k", "v"))
+        wo = weights((c.n_heads, c.head_dim), (c.d_model,), name="attn_out")()[0]
+
+        def group(x, wq_t, wk_t, wv_t, wo_t):
+            q = rotary(contract(x, wq_t, 1, dt), c.rope_theta, 0)
+            k = rotary(contract(x, wk_t, 1, dt), c.rope_theta, 0)
+            return contract(causal_attention(q, k, contract(x, wv_t, 1, dt)), wo_t, 2, dt)
+
+        views = (tile_view(wq, 1, t), tile_view(wk, 1, t), tile_view(wv, 1, t), tile_view(wo, 0, t))
+        h = h + tiled_sum(group, norm(name="attn_norm")(h), views, dt)
+        wg, wu = (weights((c.d_model,), (c.d_ff,), name=n)()[0] for n in ("gate", "up"))
+        wd = weights((c.d_ff,), (c.d_model,), name="down")()[0]
+
+        def mlp(x, wg_t, wu_t, wd_t):
+            return contract(nn.silu(contract(x, wg_t, 1, dt)) * contract(x, wu_t, 1, dt), wd_t, 1, dt)
+
+        return h + tiled_sum(mlp, norm(name="mlp_norm")(h), (tile_view(wg, 1, t), tile_view(wu, 1, t),
+                                                              tile_view(wd, 0, t)), dt)
 
 
 class Head(nn.Module):

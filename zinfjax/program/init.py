@@ -19,8 +19,8 @@ from __future__ import annotations
 import jax
 
 from zinfjax.errors import UserError
+from zinfjax.program import blocks, rows
 from zinfjax.program import jaxpr as jx
-from zinfjax.program import rows
 from zinfjax.program.memo import instance_cache
 from zinfjax.program.split import store_slice
 
@@ -74,8 +74,7 @@ class InitSource:
         for leaf in self.program.leaves_of(group):
             if leaf.index in self._by_scan:
                 eqn, j = self._by_scan[leaf.index]
-                tiles = leaf.stream.tiles
-                out.append(self._iteration(eqn, i // tiles)[j][i % tiles] if tiles else self._iteration(eqn, i)[j])
+                out.append(self._unit(leaf, eqn, j, i))
             elif self._chunk_fn(leaf.index) is not None:
                 out.append(self._chunk_fn(leaf.index)(self.rng, i * leaf.stream.rows))
             else:
@@ -87,6 +86,44 @@ class InitSource:
 
     def globals(self) -> None:
         return None
+
+    def _unit(self, leaf, eqn, j: int, i: int):
+        """Unit ``i`` of a leaf a scan stacks: a layer, or one tile of one layer (alone where its code allows)."""
+        tiles = leaf.stream.tiles
+        alone = self.program.groups[leaf.group].sub is not None  # a layer of tiles: never all of it at once
+        if not tiles:
+            return self._iteration(eqn, i, j if alone else None)[0 if alone else j]
+        layer, t = divmod(i, tiles)
+        fn = self._tile_fn(eqn, j, leaf.stream.axis, leaf.slice_shape) if leaf.stream.axis is not None else None
+        if fn is None:
+            return leaf.stream.tile(self._iteration(eqn, layer, j)[0], t)
+        consts, xs = self._scan_inputs(eqn)
+        return fn(consts, [x[layer] for x in xs], t)
+
+    @instance_cache  # one compile per tiled leaf
+    def _tile_fn(self, eqn, j: int, axis: int, tile_shape: tuple):
+        """``f(consts, xs_i, t)``: tile ``t`` of output ``j`` of one iteration, computed alone (`blocks.block`);
+        None where its code is not elementwise over random bits."""
+        body = jx.inline_calls(eqn.params["jaxpr"], keep=lambda jaxpr: False)
+        n_c, n_k = eqn.params["num_consts"], eqn.params["num_carry"]
+        outvar = body.jaxpr.outvars[n_k + j]
+        n = tile_shape[axis]
+        if not jx.is_var(outvar):
+            return None
+
+        def f(consts, xs, t):
+            env = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
+            env.update(zip(body.jaxpr.invars[:n_c], consts, strict=True))
+            env.update(zip(body.jaxpr.invars[n_c + n_k:], xs, strict=True))
+            return blocks.block(body.jaxpr.eqns, env, outvar, axis, t * n, n)
+
+        fn = jax.jit(f)
+        consts, xs = self._scan_inputs(eqn)
+        try:
+            fn.lower(consts, [x[0] for x in xs], 0)
+        except rows.Unsliceable:
+            return None
+        return fn
 
     # ---- evaluation ----------------------------------------------------------------------------
 
@@ -127,11 +164,12 @@ class InitSource:
 
         return jax.jit(f)
 
-    def _iteration(self, eqn, i: int) -> list:
-        key = (id(eqn), i)
+    def _iteration(self, eqn, i: int, output: int | None = None) -> list:
+        """The outputs of iteration ``i`` (all, or ``output`` alone) of a scan that stacks parameters."""
+        key = (id(eqn), i, output)
         if key not in self._layer:
             inputs = self._scan_inputs(eqn)
-            self._layer = {key: self._body_fn(eqn)(*inputs, i)}
+            self._layer = {key: self._body_fn(eqn, output)(*inputs, i)}
         return self._layer[key]
 
     @instance_cache
@@ -150,11 +188,12 @@ class InitSource:
         return jax.jit(f)(self.rng)
 
     @instance_cache
-    def _body_fn(self, eqn):
-        """``f(consts, xs, i) -> ys of iteration i``, with the carry dropped when the parameters do not need it."""
+    def _body_fn(self, eqn, output: int | None = None):
+        """``f(consts, xs, i) -> ys of iteration i`` (or ``[ys[output]]``), with the carry dropped when the
+        parameters do not need it."""
         body = eqn.params["jaxpr"]
         n_c, n_k = eqn.params["num_consts"], eqn.params["num_carry"]
-        ys = body.jaxpr.outvars[n_k:]
+        ys = body.jaxpr.outvars[n_k:] if output is None else [body.jaxpr.outvars[n_k + output]]
         eqns = jx.dce(body.jaxpr.eqns, ys)
         carry = body.jaxpr.invars[n_c : n_c + n_k]
         if any(v in set(jx.free_vars(eqns)) for v in carry):

@@ -24,6 +24,10 @@ class ProgramError(UserError):
     """The loss function cannot be streamed as it is written."""
 
 
+class NoScan(ProgramError):
+    """No scan takes the parameters: there are no layers (or tiles) to stream."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Stream:
     """How a parameter leaf is cut into the slices a scan reads, one per iteration.
@@ -31,24 +35,40 @@ class Stream:
     ``rows == 0``: a stacked leaf ``(length, ...)``, slice ``i`` is ``leaf[i]``.
     ``rows > 0``: row chunks, ``leaf`` padded with ``pad`` zero rows and reshaped to
     ``(length, rows, ...)``; slice ``i`` is rows ``i*rows .. (i+1)*rows``.
-    ``tiles > 0``: tiles of a nested scan, a leaf ``(layers, tiles, ...)``; slice ``i`` is
-    ``leaf[i // tiles, i % tiles]`` (`zinfjax.program.nested`).
+    ``tiles > 0``: the tiles of a scan nested in the scan over layers (`zinfjax.program.nested`);
+    slice ``i`` is tile ``i % tiles`` of layer ``i // tiles``. With ``axis`` None the leaf stacks
+    them, ``(layers, tiles, ...)``; with ``axis = a`` each tile is a block of axis ``a`` of the
+    layer (the leaf keeps the layer's own shape, and the model cuts it into tiles: a view).
 
     Example:
         >>> Stream(29, rows=1733).slice_shape((50257, 768))
         (1733, 768)
+        >>> Stream(8, tiles=4, axis=1).slice_shape((2, 768, 3072))     # 4 column blocks of each layer
+        (768, 768)
     """
 
     length: int
     rows: int = 0
     pad: int = 0
     tiles: int = 0
+    axis: int | None = None
 
     def slice_shape(self, shape) -> tuple[int, ...]:
         shape = tuple(int(d) for d in shape)
+        if self.tiles and self.axis is not None:
+            layer = list(shape[1:])
+            layer[self.axis] //= self.tiles
+            return tuple(layer)
         if self.tiles:
             return shape[2:]
         return shape[1:] if self.rows == 0 else (self.rows, *shape[1:])
+
+    def tile(self, layer, t: int):
+        """Tile ``t`` of one layer's slice of the leaf (``layer[t]`` when stacked)."""
+        if self.axis is None:
+            return layer[t]
+        size = layer.shape[self.axis] // self.tiles
+        return layer[(slice(None),) * self.axis + (slice(t * size, (t + 1) * size),)]
 
     def valid_rows(self, i: int, leaf_rows: int) -> int:
         """Rows of slice ``i`` that belong to the leaf (the last chunk may be part padding)."""
@@ -82,7 +102,7 @@ class Leaf:
     @property
     def opt_shape(self) -> tuple[int, ...]:
         """The shape the optimizer sees: a tiled leaf's layer and tile axes merged into one streamed axis."""
-        return (self.stream.length, *self.shape[2:]) if self.stream and self.stream.tiles else self.shape
+        return (self.stream.length, *self.slice_shape) if self.stream and self.stream.tiles else self.shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +238,7 @@ def store_slice(leaf, x, i: int):
     if stream is None:
         return x
     if stream.tiles:
-        return x[i // stream.tiles, i % stream.tiles]
+        return stream.tile(x[i // stream.tiles], i % stream.tiles)
     if stream.rows == 0:
         return x[i]
     chunk = x[i * stream.rows : (i + 1) * stream.rows]
@@ -234,6 +254,9 @@ def unslice(leaf, slices: list):
     if stream is None:
         (x,) = slices
         return x
+    if stream.tiles and stream.axis is not None:
+        t = stream.tiles
+        return jnp.stack([jnp.concatenate(slices[i : i + t], axis=stream.axis) for i in range(0, len(slices), t)])
     if stream.tiles:
         return jnp.stack(slices).reshape(leaf.shape)
     if stream.rows == 0:

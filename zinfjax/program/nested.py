@@ -18,7 +18,7 @@ name.
 Example:
     >>> program = split(loss_fn, params_like, batch_like)     # blocks with a tiled MLP inside
     >>> sorted((g.name, g.length) for g in program.streamed_groups())
-    [('s:blocks', 2), ('s:blocks.b_out', 2), ('s:blocks.tiles', 8)]
+    [('s:blocks.part0', 2), ('s:blocks.part2', 2), ('s:blocks.tiles1', 8)]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import jax
 import jax.extend.core as jc
 
 from zinfjax.program import jaxpr as jx
-from zinfjax.program.ir import DOCS, Group, ProgramError, Stream
+from zinfjax.program.ir import DOCS, Group, NoScan, ProgramError, Stream
 
 
 @dataclasses.dataclass(eq=False)
@@ -45,6 +45,7 @@ class Body:
     param_vars: dict  # leaf index -> the body variable that holds it (a layer's slice, or a whole parameter)
     num_consts: int
     num_carry: int
+    streams: dict  # leaf index -> how the body's tile scans cut it (`Stream`), None where it reads it whole
 
     @property
     def constants(self) -> dict:
@@ -77,8 +78,7 @@ def _body(program, stage, splitter) -> Body | None:
     closed = jx.inline_calls(stage.eqn.params["jaxpr"], keep=lambda jaxpr: False)
     invars = closed.jaxpr.invars
     held = {what: invars[j] for j, (kind, what) in enumerate(stage.operands) if kind in ("stream", "param")}
-    tile_views = {invars[j] for j, (kind, _) in enumerate(stage.operands) if kind == "stream"}
-    if not any(e.primitive.name == jx.SCAN and set(jx.scan_parts(e)[2]) & tile_views for e in closed.jaxpr.eqns):
+    if not any(e.primitive.name == jx.SCAN for e in closed.jaxpr.eqns):
         return None
     paths = [leaf.path for leaf in program.leaves]
     for k in stage.streams:
@@ -88,8 +88,13 @@ def _body(program, stage, splitter) -> Body | None:
     param_vars = [held.get(k, jc.Var(jax.core.ShapedArray((), "float32"))) for k in range(len(program.leaves))]
     finals = [v for v in closed.jaxpr.outvars if jx.is_var(v)]
     eqns = jx.dce(closed.jaxpr.eqns, finals)
-    stages, _, _ = splitter(closed, eqns, param_vars, paths).cut(finals)
-    return Body(closed, stages, held, stage.num_consts, stage.num_carry)
+    cutter = splitter(closed, eqns, param_vars, paths)
+    cutter.in_body = True
+    try:
+        stages, leaves, _ = cutter.cut(finals)
+    except NoScan:
+        return None
+    return Body(closed, stages, held, stage.num_consts, stage.num_carry, {k: leaves[k].stream for k in held})
 
 
 def _owners(program, stage) -> dict[int, tuple[int, int]]:
@@ -102,8 +107,18 @@ def _owners(program, stage) -> dict[int, tuple[int, int]]:
             raise ProgramError(f"tile parameter {program.leaves[k].path} is used outside its tile scan; a tile "
                                f"leaf must be read by its own scan over tiles alone (see {DOCS})")
         owner = users[0] if users else body.stages[0]
-        out[k] = (owner.position, tiled[0].length if tiled else 0)
+        out[k] = (owner.position, _tiles(program.leaves[k].path, body.streams[k]) if tiled else None)
     return out
+
+
+def _tiles(path: str, inner: Stream) -> tuple[int, int | None]:
+    """``(tiles, axis)`` of a tile leaf, from how its tile scan cuts the layer (`Stream`)."""
+    if inner.tiles:
+        return inner.tiles, inner.axis
+    if inner.rows and inner.pad:
+        raise ProgramError(f"tile parameter {path} is padded to make its tiles; cut it into tiles of one size (a "
+                           "tile count that divides its dimension)")
+    return inner.length, (0 if inner.rows else None)
 
 
 def _regroup(program, stage) -> None:
@@ -115,8 +130,8 @@ def _regroup(program, stage) -> None:
                                "parameters in one scan")
     owners = _owners(program, stage)
     members: dict[tuple, list[int]] = {}
-    for k, key in sorted(owners.items()):
-        members.setdefault(key, []).append(k)
+    for k, (sub, cut) in sorted(owners.items()):
+        members.setdefault((sub, cut[0] if cut else 0), []).append(k)
     old = {program.leaves[k].group for k in stage.streams}
     groups = {}
     for name, g in program.groups.items():
@@ -124,22 +139,23 @@ def _regroup(program, stage) -> None:
             groups[name] = g
             continue
         for (sub, tiles), ks in sorted(members.items()):
-            new = _name(program, ks, sub, groups)
+            new = _name(program, list(owners), sub, tiles)
             length = stage.length * (tiles or 1)
             groups[new] = Group(new, stage.position, tuple(ks), length, sub=sub)
             for k in ks:
+                axis = owners[k][1][1] if owners[k][1] else None
                 program.leaves[k] = dataclasses.replace(program.leaves[k], group=new,
-                                                        stream=Stream(length, tiles=tiles))
+                                                        stream=Stream(length, tiles=tiles, axis=axis))
     program.groups = groups
 
 
-def _name(program, leaves: list[int], sub: int, taken: dict) -> str:
-    """``s:`` and the leaves' common path prefix; ``@`` and the body stage where that is taken."""
+def _name(program, leaves: list[int], sub: int, tiles: int) -> str:
+    """``s:`` and the common path prefix of the scan's leaves, then the body stage: ``s:blocks.tiles1`` (a tile
+    group), ``s:blocks.part0`` (the layer leaves that body stage owns)."""
     parts = [program.leaves[k].path.split("/") for k in leaves]
     common = []
     for level in zip(*parts, strict=False):
         if len(set(level)) != 1:
             break
         common.append(level[0])
-    name = "s:" + (".".join(common) or "params")
-    return name if name not in taken else f"{name}@{sub}"
+    return f"s:{'.'.join(common) or 'params'}.{'tiles' if tiles else 'part'}{sub}"

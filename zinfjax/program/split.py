@@ -39,6 +39,7 @@ from zinfjax.program.ir import (  # noqa: F401 - the program's parts, where they
     DOCS,
     Group,
     Leaf,
+    NoScan,
     Program,
     ProgramError,
     Scan,
@@ -163,6 +164,7 @@ class _Splitter:
         self.param_vars = list(param_vars)
         self.producer = {v: e for e in eqns for v in e.outvars if jx.is_var(v)}
         self.users = jx.consumers(eqns)
+        self.in_body = False  # cutting a layer's body: parameters may be cut into tile views (`_tile_view`)
 
     # ---- streamed scans ------------------------------------------------------------------------
 
@@ -173,6 +175,9 @@ class _Splitter:
         if x in self.param_index:
             leaf = self.param_index[x]
             return (leaf, Stream(length), []) if x.aval.shape[:1] == (length,) else None
+        tiled = self._tile_view(x, length)
+        if tiled is not None:
+            return tiled
         reshape = self.producer.get(x)
         if reshape is None or reshape.primitive.name != "reshape" or reshape.params.get("dimensions"):
             return None
@@ -190,6 +195,26 @@ class _Splitter:
         if not self._is_zero(pad.invars[1]) or not high_only:
             return None
         return self.param_index[pad.invars[0]], Stream(length, rows=new[1], pad=config[0][1]), [pad, reshape]
+
+    def _tile_view(self, x, length: int):
+        """``(leaf, Stream, absorbed eqns)`` when ``x`` cuts axis ``a`` of a parameter into ``length`` blocks and
+        moves them in front: ``moveaxis(p.reshape(..., length, size, ...), a, 0)``, a tile view (in a layer's body)."""
+        transpose = self.producer.get(x)
+        if not self.in_body or transpose is None or transpose.primitive.name != "transpose":
+            return None
+        reshape = self.producer.get(transpose.invars[0])
+        if reshape is None or reshape.primitive.name != "reshape" or reshape.params.get("dimensions"):
+            return None
+        p, new = reshape.invars[0], tuple(reshape.params["new_sizes"])
+        if not jx.is_var(p) or p not in self.param_index:
+            return None
+        shape, perm = tuple(p.aval.shape), tuple(transpose.params["permutation"])
+        for a in range(len(shape)):
+            split_a = (*shape[:a], length, shape[a] // length, *shape[a + 1:])
+            moved = (a, *range(a), *range(a + 1, len(split_a)))
+            if shape[a] % length == 0 and new == split_a and perm == moved:
+                return self.param_index[p], Stream(length, tiles=length, axis=a), [reshape, transpose]
+        return None
 
     def _is_zero(self, atom) -> bool:
         """Whether ``atom`` is a zero scalar: a literal, or a literal cast to another dtype."""
@@ -210,7 +235,7 @@ class _Splitter:
             if views:
                 scans.append((eqn, views))
         if not scans:
-            raise ProgramError(
+            raise NoScan(
                 "the loss does not scan over stacked parameters, so there are no layers to stream; write the "
                 "repeated blocks with flax.linen.scan (variable_axes={'params': 0}) or nnx.scan, or restack a "
                 f"Python loop of identical blocks with zinfjax.stack_layers (see {DOCS})")
@@ -376,7 +401,7 @@ class _Splitter:
 def _root(eqn, producer):
     """The parameter variable under an absorbed pad/reshape chain."""
     a = eqn.invars[0]
-    while a in producer and producer[a].primitive.name in ("pad", "reshape"):
+    while a in producer and producer[a].primitive.name in ("pad", "reshape", "transpose"):
         a = producer[a].invars[0]
     return a
 

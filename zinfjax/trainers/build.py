@@ -9,7 +9,7 @@ from zinfjax.config import Config
 from zinfjax.errors import ConfigError
 from zinfjax.sharding import check_batch, make_mesh
 from zinfjax.trainers.reference import ReferenceTrainer
-from zinfjax.trainers.streaming import EngineTrainer
+from zinfjax.trainers.streaming import EngineTrainer, choose_tiles
 
 
 def uses_engine(config: Config) -> bool:
@@ -20,10 +20,14 @@ def uses_engine(config: Config) -> bool:
 def build_trainer(config: Config):
     """The model, mesh and trainer a config describes."""
     model_config = resolve_model(config.model)
-    model = models.build(model_config, COMPUTE_DTYPES[config.precision])
+    if config.tiles != "auto":
+        model_config = model_config.replace(tiles=int(config.tiles))
     mesh = make_mesh(config.mesh_axes())
     check_batch(config.batch_size, mesh, config.grad_accum)
     if config.seq_len > model_config.max_seq_len:
         raise ConfigError(f"seq_len={config.seq_len} exceeds the model's context of {model_config.max_seq_len}")
-    trainer = EngineTrainer if uses_engine(config) else ReferenceTrainer
-    return model, trainer(config, model, mesh)
+    engine = uses_engine(config)
+    if engine and config.tiles == "auto":
+        model_config = choose_tiles(model_config, config, mesh)
+    model = models.build(model_config, COMPUTE_DTYPES[config.precision])
+    return model, (EngineTrainer if engine else ReferenceTrainer)(config, model, mesh)

@@ -3,15 +3,21 @@ trainer that starts it from a fresh initialisation or the newest checkpoint."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from zinfjax import models
 from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.checkpoint import CheckpointSource
 from zinfjax.checkpoint.resume import resume_directory
 from zinfjax.config import Config
 from zinfjax.data import Batches
 from zinfjax.engine import Engine, Source, update_plan
+from zinfjax.engine.budget import MemoryBudgetError
+from zinfjax.engine.engine import prepare
+from zinfjax.models.configs import ModelConfig
 from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.program import InitSource, program_for
 from zinfjax.trainers.optimizers import make_optimizer
@@ -25,6 +31,42 @@ def lm_program(model, config: Config, tx):
                         jax.eval_shape(lm_init(model), jax.random.key(0)))
     program = program_for(lm_loss(model), like, batch)
     return program, update_plan(tx, program)
+
+
+def tile_counts(model_config: ModelConfig) -> list[int]:
+    """The tile counts a reference model can run with, fewest first: the common divisors of its hidden units
+    and heads (1 alone for BERT, whose blocks are not tiled).
+
+    Example:
+        >>> tile_counts(ModelConfig.named("gpt2-tiny"))
+        [1, 2, 4, 8]
+    """
+    if model_config.arch == "bert":
+        return [1]
+    common = math.gcd(model_config.d_ff, model_config.n_heads, model_config.kv_heads)
+    return [t for t in range(1, common + 1) if common % t == 0]
+
+
+def choose_tiles(model_config: ModelConfig, config: Config, mesh, tx=None) -> ModelConfig:
+    """``tiles=auto``: the model with the fewest tiles whose largest operation fits the engine's memory budget (the
+    engine's own plan, `zinfjax.engine.engine.prepare`); untiled when it fits untiled.
+
+    Raises:
+        MemoryBudgetError: no tile count fits; the message is the finest tiling's, with the budget it needs.
+    """
+    tx = tx or make_optimizer(config)
+    error = None
+    for tiles in tile_counts(model_config):
+        candidate = model_config.replace(tiles=tiles)
+        model = models.build(candidate, COMPUTE_DTYPES[config.precision])
+        program, _ = lm_program(model, config, tx)
+        try:
+            prepare(program, tx, config, mesh, model.partition_rules)
+        except MemoryBudgetError as e:
+            error = e
+            continue
+        return candidate
+    raise MemoryBudgetError(f"{error} (with tiles={tiles}, the most this model can be cut into)") from None
 
 
 def lm_engine(model, config: Config, mesh, source=None, tx=None) -> Engine:

@@ -103,6 +103,8 @@ def engine_facts(engine) -> dict:
     """What the log records of the engine's choices: its budget, parts, update place, residuals, reuse."""
     facts = {
         "budget": dataclasses.asdict(engine.budget),
+        "tiles": engine.tiles,  # the tiles each block's MLP and attention ran in (tiles=auto decides)
+        "largest_operation_bytes": engine.largest_operation_bytes,  # what the largest operation reads
         "update_parts": {g: len(p) for g, p in engine.parts.items()},  # layers updated in parts
         "update_on": engine.update_on,  # where the optimizer update ran (update_on=auto decides)
         "host_memory_kind": engine.host_kind,

@@ -1,0 +1,142 @@
+"""A block of one axis of an initialiser's output, computed without the whole array: one tile of a layer.
+
+`zinfjax.program.rows` computes row chunks of an embedding table; a tile of a layer
+(`zinfjax.models.tiling`) is a block of another axis: the columns ``lo .. lo + n`` of an MLP's input
+kernel, a group of heads of a query kernel. The same reasoning holds: with JAX's partitionable
+threefry, random bit ``k`` of ``random_bits(key, shape)`` depends on its flat index alone, and an
+initialiser is elementwise code over such bits (``normal(key, (d, f)) * std``, then a reshape).
+`block` runs that code over the block's elements only, so a 1 GB layer kernel is initialised a tile
+at a time, and the values equal, bit for bit, the block of the whole (tests/program/test_init.py).
+Anything else on the way (a reduction, a transpose) raises `rows.Unsliceable`; the caller computes the
+leaf whole.
+
+Example:
+    >>> w = block(eqns, env, kernel_var, axis=1, lo=256, n=256)    # columns 256..511 of a (768, 3072) kernel
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.extend.random as jrandom
+import jax.numpy as jnp
+from jax import lax
+
+from zinfjax.program import jaxpr as jx
+from zinfjax.program.rows import ELEMENTWISE, Unsliceable
+
+
+def block(eqns, env: dict, outvar, axis: int, lo, n: int):
+    """Elements ``lo .. lo + n`` along ``axis`` of ``outvar``, from ``eqns`` evaluated on ``env`` (its inputs).
+
+    ``lo`` may be traced (one compile serves every tile); ``n`` is static.
+    """
+    producer = {v: e for e in eqns for v in e.outvars if jx.is_var(v)}
+    target, a, lo_t, n_t, shape_out = outvar, axis, lo, n, tuple(outvar.aval.shape)
+    while target in producer and producer[target].primitive.name == "reshape":  # a reshape at the end: map back
+        mapped = _through_reshape(producer[target], a, lo_t, n_t)
+        if mapped is None:
+            break
+        target, a, lo_t, n_t = mapped
+    walker = _Block(tuple(target.aval.shape), a, lo_t, n_t)
+    value = walker.run(jx.dce(eqns, [target]), dict(env))[target]
+    if target not in walker.sliced:
+        raise Unsliceable("the tile does not come from elementwise code")
+    out_shape = list(shape_out)
+    out_shape[axis] = n
+    return value.reshape(out_shape)
+
+
+def _through_reshape(eqn, axis: int, lo, n: int):
+    """The block of the reshape's input that holds the block of its output: ``(var, axis, lo, n)`` or None."""
+    x = eqn.invars[0]
+    if not jx.is_var(x) or eqn.params.get("dimensions"):
+        return None
+    out, shape = tuple(eqn.outvars[0].aval.shape), tuple(x.aval.shape)
+    lead, inner = math.prod(out[:axis]), math.prod(out[axis + 1:])
+    for b in range(len(shape)):
+        if math.prod(shape[:b]) == lead and inner % math.prod(shape[b + 1:]) == 0:
+            scale = inner // math.prod(shape[b + 1:])
+            if shape[b] == out[axis] * scale:
+                return x, b, lo * scale, n * scale
+    return None
+
+
+class _Block:
+    """Evaluates eqns with the variables of the target's full shape held as blocks of ``n`` along ``axis``."""
+
+    def __init__(self, shape: tuple, axis: int, lo, n: int):
+        self.shape, self.axis, self.lo, self.n = shape, axis, lo, n
+        self.sliced: set = set()
+
+    def full(self, var) -> bool:
+        return tuple(getattr(var.aval, "shape", ())) == self.shape
+
+    def run(self, eqns, env: dict) -> dict:
+        for eqn in eqns:
+            outs = self.eqn(eqn, [jx.read(env, a) for a in eqn.invars])
+            for var, value in zip(eqn.outvars, outs, strict=True):
+                if jx.is_var(var):
+                    env[var] = value
+        return env
+
+    def eqn(self, eqn, args: list) -> list:
+        name = eqn.primitive.name
+        touched = any(jx.is_var(a) and a in self.sliced for a in eqn.invars)
+        if not touched and not any(self.full(v) for v in eqn.outvars):
+            out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+            return out if eqn.primitive.multiple_results else [out]
+        if not all(self.full(v) for v in eqn.outvars if jx.is_var(v)):
+            raise Unsliceable(f"{name} changes the shape of the tile's layer")
+        if name == "random_bits":
+            out = self._bits(args[0], eqn.params)
+        elif name == "iota":
+            out = self._iota(eqn.params)
+        elif name == "broadcast_in_dim" and not touched:
+            out = self._broadcast(eqn, args[0])
+        elif name in ELEMENTWISE:
+            args = [self._chunk(a, x) for a, x in zip(eqn.invars, args, strict=True)]
+            out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+        else:
+            raise Unsliceable(f"{name} is not elementwise")
+        self.sliced.update(v for v in eqn.outvars if jx.is_var(v))
+        return out if eqn.primitive.multiple_results else [out]
+
+    def _block_shape(self) -> tuple:
+        shape = list(self.shape)
+        shape[self.axis] = self.n
+        return tuple(shape)
+
+    def _chunk(self, atom, x):
+        if not jx.is_var(atom) or atom in self.sliced or not self.full(atom):
+            return x
+        return lax.dynamic_slice_in_dim(x, self.lo, self.n, self.axis)
+
+    def _bits(self, key, params: dict):
+        if not jax.config.jax_threefry_partitionable or "threefry" not in str(jax.random.key_impl(key)):
+            raise Unsliceable("blocks of random bits need partitionable threefry keys")
+        if params["bit_width"] != 32 or math.prod(self.shape) >= 2**32:
+            raise Unsliceable("random bits other than 32-bit, or 2**32 elements or more")
+        flat = jnp.zeros(self._block_shape(), jnp.uint32)
+        stride = 1
+        for d in reversed(range(len(self.shape))):
+            index = lax.broadcasted_iota(jnp.uint32, self._block_shape(), d)
+            if d == self.axis:
+                index = index + jnp.asarray(self.lo, jnp.uint32)
+            flat = flat + index * jnp.uint32(stride)
+            stride *= self.shape[d]
+        data = jax.random.key_data(key)
+        bits1, bits2 = jrandom.threefry2x32_p.bind(data[0], data[1], jnp.zeros_like(flat), flat)
+        return bits1 ^ bits2
+
+    def _iota(self, params: dict):
+        dim = params["dimension"]
+        out = lax.broadcasted_iota(params["dtype"], self._block_shape(), dim)
+        return out + jnp.asarray(self.lo, params["dtype"]) if dim == self.axis else out
+
+    def _broadcast(self, eqn, x):
+        dims = eqn.params["broadcast_dimensions"]
+        if self.axis in dims and jnp.shape(x)[dims.index(self.axis)] != 1:
+            raise Unsliceable("broadcast_in_dim spans the tile's axis")
+        return lax.broadcast_in_dim(x, self._block_shape(), dims)
