@@ -48,6 +48,14 @@ class LeafReader:
             raise CheckpointCorruptError(f"the checkpoint {self.directory} is corrupt at {where}: {missing}"
                                          + (f"; {self.hint}" if self.hint else "")) from e
 
+    def read_block(self, item: str, name: str, index: tuple) -> np.ndarray:
+        """``leaf[index]`` of leaf ``item/name``: one tile of one layer (tensorstore reads the chunks it spans)."""
+        try:
+            return self._open(item, name)[index].read().result()
+        except (ValueError, FileNotFoundError) as e:
+            raise CheckpointCorruptError(f"the checkpoint {self.directory} is corrupt at leaf {item}/{name}, block "
+                                         f"{index}: {e}" + (f"; {self.hint}" if self.hint else "")) from e
+
     def read_rows(self, item: str, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` of leaf ``item/name`` (a chunk of a vocabulary table)."""
         try:

@@ -95,6 +95,13 @@ class CheckpointSource:
         stream = leaf.stream
         if stream is None:
             return self._reader.read(item, name, None)
+        if stream.tiles:  # one tile: a block of the layer, whatever tiles (if any) the checkpoint was saved in
+            layer, t = divmod(i, stream.tiles)
+            if stream.axis is None:
+                return self._reader.read_block(item, name, (layer, t))
+            size = leaf.shape[1 + stream.axis] // stream.tiles
+            return self._reader.read_block(item, name, (layer, *[slice(None)] * stream.axis,
+                                                        slice(t * size, (t + 1) * size)))
         if stream.rows == 0:
             return self._reader.read(item, name, i)
         rows = self._reader.read_rows(item, name, i * stream.rows, min((i + 1) * stream.rows, leaf.shape[0]))

@@ -55,6 +55,10 @@ class Part:
     leaves: list[Leaf]
     stream: object = None
     arrays: list | None = None
+    streams: list | None = None  # each leaf's stream, where they differ (the leaves of a group of tiles)
+
+    def stream_of(self, k: int):
+        return self.streams[k] if self.streams is not None else self.stream
 
 
 def leaf_name(path: str) -> str:
@@ -63,22 +67,28 @@ def leaf_name(path: str) -> str:
 
 
 def _chunk_shape(lay, stream) -> tuple:
-    """The checkpoint chunk of a store leaf: one device shard of one slice (a layer keeps its axis of 1)."""
+    """The checkpoint chunk of a store leaf: one device shard of one slice (a layer keeps its axis of 1; a tile
+    its layer's, and its tile's where the leaf stacks tiles)."""
     shard = tuple(lay.shard_shape)
+    if stream is not None and stream.tiles and stream.axis is None:
+        return (1, 1, *shard)
     return (1, *shard) if stream is not None and stream.rows == 0 else shard
 
 
-def _part(item: str, group: str, store, entries: list, stream) -> Part:
-    """A part whose store leaves are ``entries``: ``(store key, full shape, plain key path)``."""
+def _part(item: str, group: str, store, entries: list, streams: dict) -> Part:
+    """A part whose store leaves are ``entries``: ``(store key, full shape, plain key path)``, cut as ``streams``
+    (by store key) says."""
     by_key = {key: (shape, keys) for key, shape, keys in entries}
     order = [path for path, _ in _store_keys(store)]
     leaves = []
     for key, lay in zip(order, store.layouts, strict=True):
         shape, keys = by_key[key]
+        stream = streams[key]
         stacked = stream is not None and stream.rows == 0
         leaves.append(Leaf(item, leaf_name(key), keys, leaf_metadata(shape, lay.dtype, _chunk_shape(lay, stream)),
                            stacked))
-    return Part(item, group, store, leaves, stream)
+    ordered = [streams[key] for key in order]
+    return Part(item, group, store, leaves, ordered[0] if ordered else None, streams=ordered)
 
 
 def _store_keys(store) -> list:
@@ -92,11 +102,15 @@ def parts_of(engine) -> list[Part]:
     parts = []
     for g in program.groups.values():
         leaves = program.leaves_of(g.name)
-        stream = leaves[0].stream
-        parts.append(_part("params", g.name, params[g.name], [(x.path, x.shape, x.keys) for x in leaves], stream))
+        streams = {x.path: x.stream for x in leaves}
+        parts.append(_part("params", g.name, params[g.name], [(x.path, x.shape, x.keys) for x in leaves], streams))
         state = plan.state_of(g.name)
-        if state:
-            parts.append(_part("opt_state", g.name, s.opt[g.name], [(x.path, x.shape, x.keys) for x in state], stream))
+        if state:  # in the user's layout: a tiled leaf's state has its parameter's shape
+            owners = [program.leaves[x.param] for x in state]
+            entries = [(x.path, p.shape if p.stream and p.stream.tiles else x.shape, x.keys)
+                       for x, p in zip(state, owners, strict=True)]
+            parts.append(_part("opt_state", g.name, s.opt[g.name], entries,
+                               {x.path: p.stream for x, p in zip(state, owners, strict=True)}))
     glob = [Leaf("opt_state", leaf_name(x.path), x.keys, leaf_metadata(x.shape, x.dtype, x.shape))
             for x in plan.globals]
     if glob:
@@ -104,14 +118,21 @@ def parts_of(engine) -> list[Part]:
     return parts
 
 
-def chunk_index(part: Part, i: int, grid: tuple[int, ...], shard_rows: int) -> tuple[int, ...]:
-    """The checkpoint chunk that holds slice ``i``'s shard at ``grid`` (grid over the slice's shape)."""
-    stream = part.stream
+def chunk_index(stream, i: int, grid: tuple[int, ...], shard: tuple[int, ...], slice_shape: tuple[int, ...]):
+    """The checkpoint chunk that holds slice ``i``'s shard at ``grid`` (grid over the slice's shape, in shards of
+    ``shard``)."""
     if stream is None:
         return tuple(grid)
+    if stream.tiles:
+        layer, t = divmod(i, stream.tiles)
+        if stream.axis is None:
+            return (layer, t, *grid)
+        a, at = stream.axis, list(grid)
+        at[a] += t * (slice_shape[a] // shard[a])
+        return (layer, *at)
     if stream.rows == 0:
         return (i, *grid)
-    return (i * (stream.rows // shard_rows) + grid[0], *grid[1:])
+    return (i * (stream.rows // (shard[0] if shard else 1)) + grid[0], *grid[1:])
 
 
 class Snapshot:
@@ -141,8 +162,8 @@ class Snapshot:
         for i in range(store.num_layers):
             for k, shard, src in store.chunk_files(i):
                 lay = store.layouts[k]
-                dst = self._chunk(part, k, chunk_index(part, i, shard_grid(shard, lay), lay.shard_shape[0]
-                                                       if lay.shard_shape else 1))
+                dst = self._chunk(part, k, chunk_index(part.stream_of(k), i, shard_grid(shard, lay), lay.shard_shape,
+                                                       lay.layer_shape))
                 if self.staged or not self._try_link(src, dst):
                     staged = os.path.join(self.staging, os.path.relpath(dst, self.root))
                     self._makedirs(os.path.dirname(staged))
@@ -216,8 +237,8 @@ class Snapshot:
         self._let_go()
 
     def _write_array(self, part: Part, k: int, i: int, x) -> None:
-        chunk = part.leaves[k].meta["chunk_shape"]
-        chunk = chunk[1:] if part.leaves[k].stacked else chunk
+        chunk, stream = part.leaves[k].meta["chunk_shape"], part.stream_of(k)
+        chunk = tuple(chunk[len(chunk) - np.ndim(x):])  # less the layer's (and a stacked tile's) axis
         shards = x.addressable_shards if isinstance(x, jax.Array) else [_Whole(np.asarray(x))]
         for shard in shards:
             if shard.replica_id != 0:
@@ -227,7 +248,7 @@ class Snapshot:
             nbytes = data.nbytes
             slot = aligned_empty((chunkfile.slot_bytes(nbytes),), np.uint8, chunkfile.BLOCK)
             slot[:nbytes] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-            index = chunk_index(part, i, grid, chunk[0] if chunk else 1)
+            index = chunk_index(stream, i, grid, tuple(chunk), tuple(np.shape(x)))
             chunkfile.write_chunks([(self._chunk(part, k, index), slot, nbytes)], sync=True, atomic=True)
 
 

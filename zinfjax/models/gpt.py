@@ -23,7 +23,7 @@ from zinfjax.models import products
 from zinfjax.models.attention import cached_attention, causal_attention
 from zinfjax.models.configs import ModelConfig
 from zinfjax.models.stacked import StackedLM
-from zinfjax.models.tiling import DenseWeights, contract, tile_view, tiled_sum
+from zinfjax.models.tiling import DenseWeights, add_bias, contract, tile_view, tiled_sum
 from zinfjax.models.vocab import VocabTable, cross_entropy, lookup
 
 Dtype = Any
@@ -87,19 +87,19 @@ class Block(nn.Module):
         wo, bo = DenseWeights(heads, (c.d_model,), out_init, name="attn_out")()
 
         def group(x, wq, bq, wk, bk, wv, bv, wo_t):
-            q, k, v = (contract(x, w, 1, dt) + b.astype(dt) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+            q, k, v = (add_bias(contract(x, w, 1, dt), b, dt) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
             return contract(causal_attention(q, k, v), wo_t, 2, dt)
 
         views = tuple(v for w, b in qkv for v in (tile_view(w, 1, t), tile_view(b, 0, t))) + (tile_view(wo, 0, t),)
-        h = h + tiled_sum(group, norm(name="ln_1")(h), views, dt) + bo.astype(dt)
+        h = add_bias(h + tiled_sum(group, norm(name="ln_1")(h), views, dt), bo, dt)
         wf, bf = DenseWeights((c.d_model,), (c.d_ff,), normal(0.02), name="fc")()
         wp, bp = DenseWeights((c.d_ff,), (c.d_model,), out_init, name="proj")()
 
         def mlp(x, wf_t, bf_t, wp_t):
-            return contract(nn.gelu(contract(x, wf_t, 1, dt) + bf_t.astype(dt), approximate=True), wp_t, 1, dt)
+            return contract(nn.gelu(add_bias(contract(x, wf_t, 1, dt), bf_t, dt), approximate=True), wp_t, 1, dt)
 
         views = (tile_view(wf, 1, t), tile_view(bf, 0, t), tile_view(wp, 0, t))
-        return h + tiled_sum(mlp, norm(name="ln_2")(h), views, dt) + bp.astype(dt)
+        return add_bias(h + tiled_sum(mlp, norm(name="ln_2")(h), views, dt), bp, dt)
 
 
 class Head(nn.Module):

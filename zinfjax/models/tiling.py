@@ -70,6 +70,11 @@ def contract(x: jax.Array, w: jax.Array, n: int, dtype) -> jax.Array:
     return products.dot_general(x, w, dims)
 
 
+def add_bias(y: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """``y + b`` with ``b`` over ``y``'s trailing axes, in ``dtype`` (as ``nn.DenseGeneral`` adds its bias)."""
+    return y + b.astype(dtype).reshape((1,) * (y.ndim - b.ndim) + b.shape)
+
+
 def tiled_sum(fn: Callable, x: jax.Array, tiles: tuple, dtype: Any) -> jax.Array:
     """``sum_t fn(x, tile_t)`` over the stacked ``tiles``, in fp32 and in order, as a ``lax.scan`` (``x`` a const)."""
 

@@ -58,15 +58,22 @@ def choose_tiles(model_config: ModelConfig, config: Config, mesh, tx=None) -> Mo
     error = None
     for tiles in tile_counts(model_config):
         candidate = model_config.replace(tiles=tiles)
-        model = models.build(candidate, COMPUTE_DTYPES[config.precision])
-        program, _ = lm_program(model, config, tx)
         try:
-            prepare(program, tx, config, mesh, model.partition_rules)
+            fits(candidate, config, mesh, tx)
         except MemoryBudgetError as e:
             error = e
             continue
         return candidate
     raise MemoryBudgetError(f"{error} (with tiles={tiles}, the most this model can be cut into)") from None
+
+
+def fits(model_config: ModelConfig, config: Config, mesh, tx=None) -> None:
+    """Raises `MemoryBudgetError` where the engine could not train ``model_config`` (as tiled) under ``config``'s
+    memory budget; opens nothing."""
+    tx = tx or make_optimizer(config)
+    model = models.build(model_config, COMPUTE_DTYPES[config.precision])
+    program, _ = lm_program(model, config, tx)
+    prepare(program, tx, config, mesh, model.partition_rules)
 
 
 def lm_engine(model, config: Config, mesh, source=None, tx=None) -> Engine:

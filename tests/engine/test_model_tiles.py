@@ -1,0 +1,157 @@
+"""The reference models in tiles (`zinfjax.models.tiling`): the same parameters, streamed one tile at a time.
+
+- **A view.** ``ModelConfig.tiles`` changes how a block computes, not what it holds: ``model.init``
+  gives the same tree for every tile count, bit for bit, and the engine initialises each tile alone
+  (`zinfjax.program.blocks`) with the values of the whole.
+- **Exact.** Tiling reorders the MLP's and attention's sums (fp32, tile after tile), nothing else:
+  over 20 steps in fp32 the tiled engine on NVMe stays within 1e-5 of the untiled in-memory loop, on
+  losses (relative) and parameters (whole-tree relative L2, less GPT-2's key bias, whose true
+  gradient is zero: `ZERO_GRADIENT_LEAVES`). For one tile count, the tiers agree bit for bit.
+- **bf16.** Rounding compounds with no useful a-priori bound, so the tiled bf16 run is held to be no
+  farther from the fp32 run than the untiled bf16 run is (`assert_no_farther`, docs/engine.md).
+- **auto.** ``tiles=auto`` runs untiled when the model fits and otherwise picks the fewest tiles whose
+  largest operation fits the memory budget: half as many do not.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from tests.support.engine_helpers import (
+    _tx,
+    assert_bitwise,
+    batches,
+    config,
+    initial_params,
+    reference_run,
+    relative_error,
+)
+from tests.support.tolerances import LOSS_SLACK, SLACK, assert_no_farther, loss_distance
+from zinfjax import models
+from zinfjax.engine import TreeSource
+from zinfjax.engine.budget import MemoryBudgetError
+from zinfjax.errors import ConfigError
+from zinfjax.models.configs import ModelConfig
+from zinfjax.models.stacked import lm_init, lm_loss
+from zinfjax.program import InitSource, program_for
+from zinfjax.program.split import store_slice
+from zinfjax.runtime import rss
+from zinfjax.sharding import make_mesh
+from zinfjax.trainers.streaming import choose_tiles, fits, lm_engine
+
+STEPS = 20
+NVME = dict(params="nvme", optimizer="nvme", gradients="nvme", activations="nvme")
+LARGE = ModelConfig("gpt2", 256, 64, 4096, 2, 32, 65536)  # one block of 2.4 GB of fp32 weights
+
+
+def tiled_run(c, tiles: int, steps: int = STEPS):
+    """The engine on ``c`` with the model in ``tiles`` tiles, from the reference's initial parameters."""
+    model = models.build(ModelConfig.resolve(c.model).replace(tiles=tiles), _dtype(c))
+    params = initial_params(c)
+    engine = lm_engine(model, c, make_mesh(c.mesh_axes()), source=lambda p, plan: TreeSource(p, plan, params),
+                       tx=_tx(c))
+    try:
+        data = batches(c)
+        losses = [engine.train_step(next(data))["loss"] for _ in range(steps)]
+        groups = {g.name: g.length for g in engine.program.streamed_groups()}
+        return losses, jax.tree.map(np.asarray, engine.params()), groups
+    finally:
+        engine.close()
+
+
+def _dtype(c):
+    from zinfjax._util.choices import COMPUTE_DTYPES
+
+    return COMPUTE_DTYPES[c.precision]
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_tiles_are_a_view_of_the_same_parameters_initialised_a_tile_at_a_time(name):
+    base = ModelConfig.named(name)
+    whole = jax.jit(lm_init(models.build(base)))(jax.random.key(5))
+    for tiles in (2, 8):
+        model = models.build(base.replace(tiles=tiles))
+        assert_bitwise(jax.jit(lm_init(model))(jax.random.key(5)), whole)
+        like = jax.eval_shape(lm_init(model), jax.random.key(0))
+        program = program_for(lm_loss(model), like, jax.ShapeDtypeStruct((2, 17), np.int32))
+        source, flat = InitSource(program, lm_init(model), jax.random.key(5)), jax.tree.leaves(whole)
+        tiled = [g for g in program.streamed_groups() if ".tiles" in g.name]
+        assert tiled and all(g.length == base.n_layers * tiles for g in tiled)
+        for g in program.groups.values():
+            for i in range(g.length):
+                for leaf, x in zip(program.leaves_of(g.name), source.params(g.name, i), strict=True):
+                    np.testing.assert_array_equal(np.asarray(x), np.asarray(store_slice(leaf, flat[leaf.index], i)))
+        assert all(fn is not None for fn in vars(source)["_instance_cache__tile_fn"].values())  # none made whole
+
+
+CASES = [("gpt2-tiny", 4, {}), ("llama-tiny", 8, dict(stage=3))]
+WIDE = [("gpt2-tiny", t, s) for t in (1, 2, 8) for s in ({}, dict(stage=3))] + [
+    ("gpt2-tiny", 4, dict(stage=3)), ("llama-tiny", 8, {})] + [("llama-tiny", t, s) for t in (1, 2, 4)
+                                                              for s in ({}, dict(stage=3))]
+
+
+def _exact(name, tiles, extra, tmp_path):
+    c = config(model=name, **NVME, nvme_path=str(tmp_path), **extra)
+    ref_losses, ref_params = reference_run(c)
+    losses, params, groups = tiled_run(c, tiles)
+    if tiles > 1:
+        assert max(groups.values()) == ModelConfig.named(name).n_layers * tiles
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    error = relative_error(ref_params, params)
+    print(f"{name} tiles={tiles} {extra}: parameters relative L2 {error:.2e}")
+    assert error < 1e-5
+
+
+@pytest.mark.parametrize(("name", "tiles", "extra"), CASES)
+def test_tiled_engine_on_nvme_is_the_untiled_in_memory_loop(name, tiles, extra, tmp_path):
+    _exact(name, tiles, extra, tmp_path)
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize(("name", "tiles", "extra"), WIDE)
+def test_tiled_engine_is_the_untiled_loop_wide(name, tiles, extra, tmp_path):
+    _exact(name, tiles, extra, tmp_path)
+
+
+def test_one_tile_count_is_bitwise_across_tiers(tmp_path):
+    device_losses, device_params, _ = tiled_run(config(), 4, steps=5)
+    nvme_losses, nvme_params, _ = tiled_run(config(**NVME, nvme_path=str(tmp_path)), 4, steps=5)
+    assert nvme_losses == device_losses
+    assert_bitwise(nvme_params, device_params)
+
+
+@pytest.mark.low_precision
+def test_tiled_bf16_is_no_farther_from_fp32_than_untiled_bf16(tmp_path):
+    def run(precision, tiles):
+        c = config(precision=precision, **NVME, nvme_path=str(tmp_path / f"{precision}-{tiles}"))
+        return tiled_run(c, tiles, steps=10)[:2]
+
+    exact_losses, exact = run("fp32", 1)
+    ref_losses, ref = run("bf16", 1)
+    losses, ours = run("bf16", 4)
+    assert_no_farther(exact, ref, ours, distance=relative_error, slack=SLACK)
+    assert_no_farther(exact_losses, ref_losses, losses, distance=loss_distance, slack=LOSS_SLACK)
+
+
+def test_a_tile_count_that_does_not_divide_is_one_line_naming_the_divisors():
+    with pytest.raises(ConfigError, match=r"tiles=3 does not divide d_ff=256, n_heads=8.*: 1, 2, 4, 8$"):
+        ModelConfig.named("gpt2-tiny").replace(tiles=3)
+    with pytest.raises(ConfigError, match="BERT's blocks are not tiled"):
+        ModelConfig("bert", 256, 64, 64, 2, 8, 256, tiles=2)
+
+
+def test_auto_runs_untiled_where_the_model_fits_and_else_the_fewest_tiles_that_fit(tmp_path):
+    mesh = make_mesh({"data": 1})
+    roomy = config(model="gpt2-small", mesh="data:1", **NVME, nvme_path=str(tmp_path), memory_limit=16 << 30)
+    assert choose_tiles(ModelConfig.named("gpt2-small"), roomy, mesh).tiles == 1
+    path = tmp_path / "large.yaml"
+    path.write_text("\n".join(f"{k}: {v}" for k, v in LARGE.__dict__.items()))
+    # The budget counts what the process holds already (this test process's, not a fresh one's): 1.4 GiB beside it.
+    tight = config(model=str(path), mesh="data:1", batch_size=1, seq_len=64, **NVME, nvme_path=str(tmp_path),
+                   memory_limit=rss.current_bytes() + (1400 << 20))
+    chosen = choose_tiles(LARGE, tight, mesh).tiles
+    assert chosen > 1
+    with pytest.raises(MemoryBudgetError):  # half as many tiles do not fit: the fewest that do
+        fits(LARGE.replace(tiles=chosen // 2), tight, mesh)
