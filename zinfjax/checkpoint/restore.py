@@ -29,7 +29,8 @@ def expected_items(program, plan, params_dtype=np.float32) -> dict[str, dict[str
     """The leaves (``{item: {name: {"shape", "dtype"}}}``) a checkpoint of this program and optimizer holds."""
     params = {leaf_name(x.path): {"shape": list(x.shape), "dtype": np.dtype(params_dtype).name}
               for x in program.leaves}
-    state = {leaf_name(s.path): {"shape": list(s.shape), "dtype": np.dtype(s.dtype).name} for s in plan.state}
+    state = {leaf_name(s.path): {"shape": list(plan.user_shape(s)), "dtype": np.dtype(s.dtype).name}
+             for s in plan.state}
     return {"params": params, "opt_state": state}
 
 

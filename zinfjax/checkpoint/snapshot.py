@@ -106,11 +106,9 @@ def parts_of(engine) -> list[Part]:
         parts.append(_part("params", g.name, params[g.name], [(x.path, x.shape, x.keys) for x in leaves], streams))
         state = plan.state_of(g.name)
         if state:  # in the user's layout: a tiled leaf's state has its parameter's shape
-            owners = [program.leaves[x.param] for x in state]
-            entries = [(x.path, p.shape if p.stream and p.stream.tiles else x.shape, x.keys)
-                       for x, p in zip(state, owners, strict=True)]
+            entries = [(x.path, plan.user_shape(x), x.keys) for x in state]
             parts.append(_part("opt_state", g.name, s.opt[g.name], entries,
-                               {x.path: p.stream for x, p in zip(state, owners, strict=True)}))
+                               {x.path: program.leaves[x.param].stream for x in state}))
     glob = [Leaf("opt_state", leaf_name(x.path), x.keys, leaf_metadata(x.shape, x.dtype, x.shape))
             for x in plan.globals]
     if glob:

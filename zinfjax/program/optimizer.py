@@ -100,6 +100,12 @@ class UpdatePlan:
         """The state leaves stored with ``group``, in state order."""
         return [s for s in self.state if s.group == group]
 
+    def user_shape(self, s: StateLeaf) -> tuple[int, ...]:
+        """State leaf ``s``'s shape in the user's tree: a tiled parameter's state has its parameter's shape (the
+        update sees it with the layer and tile axes merged, `Leaf.opt_shape`)."""
+        owner = self.program.leaves[s.param] if s.param is not None else None
+        return owner.shape if owner is not None and owner.stream is not None and owner.stream.tiles else s.shape
+
     @property
     def globals(self) -> list[StateLeaf]:
         """The state leaves kept whole in memory."""
