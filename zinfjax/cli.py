@@ -96,10 +96,21 @@ def add_plan(sub) -> None:
         "nvme_path, for what each tier adds to a step per byte it moves. On the CPU backend, where copies and the "
         "I/O threads share the cores with compute, step = max(compute + host copies + NVMe traffic at those "
         "rates, the disk's own time); elsewhere the largest of compute, host copies and the disk's time. It "
-        "recommends the fastest placement that fits; `zinfjax train --set tiers=auto` trains with it.",
+        "recommends the fastest placement that fits; `zinfjax train --set tiers=auto` trains with it. With "
+        "--machine FILE it plans for the machine the file describes instead (nodes, devices, memories, NVMe, link "
+        "rates and peak FLOP/s, each with its source; examples/machines/ holds three): nothing is probed or traced, "
+        "the figures come from the model's shapes and the file. It prints the model states by kind, each device's "
+        "working memory (the ZeRO-Infinity paper's, and zinfjax's with the tile count it would pick), which "
+        "placements fit how many nodes, the fewest nodes for GPU only, GPU+CPU and GPU+CPU+NVMe, and each "
+        "placement's predicted step and fraction of peak FLOP/s (docs/planning.md, \"Planning for another "
+        "machine\").",
         epilog="examples:\n  zinfjax plan --set model=gpt2-small --set batch_size=4 --set seq_len=512\n"
         "  zinfjax plan run.yaml --set nvme_path=/mnt/nvme/run1 --set memory_limit=8GiB --json\n"
-        "  zinfjax train run.yaml --set tiers=auto --set nvme_path=/mnt/nvme/run1",
+        "  zinfjax train run.yaml --set tiers=auto --set nvme_path=/mnt/nvme/run1\n"
+        "  zinfjax plan --machine examples/machines/dgx2-v100.yaml --set model=examples/models/zero-infinity-1t.yaml "
+        "--set precision=fp16 --set stage=3 --set micro_batch_size=2 --set batch_size=0 --set seq_len=1024\n"
+        "  zinfjax plan --machine examples/machines/h100-8x.yaml --nodes 4 --set model=llama-7b --set precision=bf16 "
+        "--set stage=3 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(p)
@@ -107,6 +118,11 @@ def add_plan(sub) -> None:
     p.add_argument("--no-probe", action="store_true", help="no timing runs: nominal compute, disk and copy rates "
                    "(fast; the fit figures are the same)")
     p.add_argument("--all", action="store_true", help="show every placement, not the 12 fastest")
+    p.add_argument("--machine", metavar="FILE", help="plan for the machine FILE describes (YAML or JSON: nodes, "
+                   "devices, memories, NVMe, link rates, peak FLOP/s and their sources; see examples/machines/), "
+                   "not this one; nothing is probed")
+    p.add_argument("--nodes", type=int, metavar="N", help="with --machine: the nodes available (default: the "
+                   "file's nodes, else no limit)")
     p.set_defaults(func=_plan)
 
 
@@ -114,10 +130,22 @@ def _plan(args) -> int:
     import json
 
     from zinfjax.config import Config
+
+    if args.nodes is not None and (not args.machine or args.nodes < 1):
+        raise ConfigError(f"--nodes {args.nodes}: " + ("give it with --machine FILE" if not args.machine
+                                                        else "must be 1 or more"))
+    config = Config.load(args.config, args.overrides)
+    if args.machine:
+        from zinfjax.planning.machine_plan import load_machine, plan_for_machine
+        from zinfjax.planning.report import format_machine_plan
+
+        plan = plan_for_machine(config, load_machine(args.machine), args.nodes)
+        print(json.dumps(plan) if args.json else format_machine_plan(plan, top=10**6 if args.all else 12))
+        return 0
     from zinfjax.planning.recommend import make_plan
     from zinfjax.planning.report import format_plan
 
-    plan = make_plan(Config.load(args.config, args.overrides), probe=not args.no_probe)
+    plan = make_plan(config, probe=not args.no_probe)
     print(json.dumps(plan) if args.json else format_plan(plan, top=10**6 if args.all else 12))
     return 0
 
