@@ -14,7 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODULES = ["zinfjax._util.byte_sizes", "zinfjax._util.choices", "zinfjax._util.mapping_files", "zinfjax.program.jaxpr",
            "zinfjax.models.configs", "zinfjax.engine.budget", "zinfjax.engine.parts",
            "zinfjax.store.pool", "zinfjax.store.layout", "zinfjax.store.threads", "zinfjax.program.memo",
-           "zinfjax.planning.recommend", "zinfjax.models.products", "tests.support.tolerances"]
+           "zinfjax.planning.recommend", "zinfjax.models.products", "tests.support.tolerances",
+           "zinfjax.models.tiled", "zinfjax.models.tiled_nnx"]
 
 
 @pytest.mark.parametrize("name", MODULES)
