@@ -19,6 +19,7 @@ from zinfjax.engine import BatchError
 from zinfjax.engine.budget import MemoryBudgetError
 from zinfjax.errors import ConfigError, UserError
 from zinfjax.inference import Sampling, evaluate, generate
+from zinfjax.models.tiled import TiledDense, TiledMLP
 from zinfjax.planning import PlanError, make_plan
 from zinfjax.program import InitError, NotStreamableError, ProgramError
 from zinfjax.program.restack import RestackError, stack_layers
@@ -38,7 +39,7 @@ __all__ = [
     # training your own model, and zinfjax's own loop
     "Config", "wrap", "WrappedState", "run", "make_plan", "make_optimizer", "tune_allocator",
     # models, data and checkpoints
-    "models", "Batches", "load_tokens", "CheckpointManager", "stack_layers",
+    "models", "TiledDense", "TiledMLP", "Batches", "load_tokens", "CheckpointManager", "stack_layers",
     # inference
     "generate", "evaluate", "Sampling",
     # errors: every one a user can cause is a UserError

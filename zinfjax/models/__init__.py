@@ -1,5 +1,7 @@
 """Reference models in the layered convention (embed, stacked blocks, head+loss): GPT-2, Llama, BERT.
 
+And layers that stream tile by tile (`TiledDense`, `TiledMLP`; ``zinfjax.models.tiled``).
+
 Example:
     >>> from zinfjax import models
     >>> model = models.build("gpt2-tiny")
@@ -24,6 +26,7 @@ from zinfjax.models.layered import (
     loss_fn,
 )
 from zinfjax.models.llama import Llama
+from zinfjax.models.tiled import TiledDense, TiledMLP, tile_kernel, untile_kernel
 
 ARCHS = {"gpt2": GPT, "llama": Llama, "bert": Bert}
 
@@ -41,4 +44,5 @@ def build(model: str | ModelConfig, dtype: Any = jnp.float32):
 __all__ = [
     "ARCHS", "Bert", "BertInputs", "GPT", "Llama", "LayeredConventionError", "LayeredModel", "Layers",
     "ModelConfig", "NAMED", "build", "check_params", "get_layers", "layer_slice", "loss_fn", "mean_pool",
+    "TiledDense", "TiledMLP", "tile_kernel", "untile_kernel",
 ]
