@@ -16,7 +16,7 @@ MODULES = ["zinfjax._util.byte_sizes", "zinfjax._util.choices", "zinfjax._util.m
            "zinfjax.store.pool", "zinfjax.store.layout", "zinfjax.store.threads", "zinfjax.program.memo",
            "zinfjax.planning.recommend", "zinfjax.planning.machine", "zinfjax.planning.scale",
            "zinfjax.planning.machine_plan", "zinfjax.models.products", "tests.support.tolerances",
-           "zinfjax.models.tiled", "zinfjax.models.tiled_nnx", "zinfjax.models.tiling", "zinfjax.models.configs"]
+           "zinfjax.models.tiled", "zinfjax.models.tiled_nnx", "zinfjax.models.tiling"]
 
 
 @pytest.mark.parametrize("name", MODULES)

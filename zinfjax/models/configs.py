@@ -114,7 +114,7 @@ def check_tiles(tiles: int, dims: dict[str, int]) -> None:
         >>> check_tiles(3, {"d_ff": 256, "n_heads": 8})
         Traceback (most recent call last):
         ...
-        zinfjax.errors.ConfigError: tiles=3 does not divide d_ff=256; tile counts that divide d_ff and n_heads: ...
+        zinfjax.errors.ConfigError: tiles=3 does not divide d_ff=256, n_heads=8; tile counts that divide ...: 1, 2, 4, 8
     """
     if tiles < 1:
         raise ConfigError(f"tiles={tiles} must be a positive count (or auto)")

@@ -14,7 +14,9 @@ iteration reads is ever read, while checkpoints, conversion and generation see t
 The sums run in fp32, tile after tile: tiling reorders the MLP's and attention's sums, nothing else.
 
 Example:
-    >>> model = build(ModelConfig.named("gpt2-tiny").replace(tiles=4))   # same params as tiles=1
+    >>> w = jnp.arange(12.0).reshape(3, 4)                    # a (d_in, d_ff) kernel, d_ff cut in 2 tiles
+    >>> tile_view(w, axis=1, tiles=2).shape                   # what the scan over tiles reads
+    (2, 3, 2)
 """
 
 from __future__ import annotations
