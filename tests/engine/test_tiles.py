@@ -16,10 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from flax.training import train_state
 
 import zinfjax
+from tests.support import tiled_models
 from tests.test_any_model import assert_exact, in_memory_loop, zero_gradient_leaves
+from zinfjax.models.tiled_nnx import TiledMLP as TiledMLPNNX
 from zinfjax.program.split import ProgramError, split
 
 LAYERS, TILES, STEPS = 2, 4, 5
@@ -128,3 +131,80 @@ def test_a_tile_leaf_read_outside_its_tile_scan_is_refused_by_name():
     params = model.init(jax.random.key(0), data[0]["x"])["params"]
     with pytest.raises(ProgramError, match="parameter blocks/mlp/w_out/kernel is used both one layer at a time"):
         split(make_loss(model), params, data[0])
+
+
+def test_tiled_mlp_layers_of_linen_stream_tile_by_tile_through_wrap(tmp_path):
+    """`zinfjax.TiledMLP` inside ``nn.scan`` blocks (`tests.support.tiled_models`), through `zinfjax.wrap` on NVMe."""
+    model, tx = tiled_models.TiledBlockLM(), optax.adamw(1e-3)
+    params = tiled_models.init_params(model, jax.random.key(0), seq_len=16)
+    loss_fn = tiled_models.lm_loss(model)
+    rng = np.random.default_rng(1)
+    data = [jnp.asarray(rng.integers(0, 64, (8, 17)), jnp.int32)] * STEPS
+    ref_losses, ref_params = in_memory_loop(loss_fn, params, tx, data)
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    c = zinfjax.Config(nvme_path=str(tmp_path), params="nvme", optimizer="nvme", gradients="nvme", activations="nvme")
+    with zinfjax.wrap(state, c, loss_fn=loss_fn) as wrapped:
+        losses = [wrapped.train_step(b)[1]["loss"] for b in data]
+        groups = {g.name: g.length for g in wrapped.engine.program.streamed_groups()}
+        out = jax.tree.map(np.asarray, wrapped.read_params())
+    assert max(groups.values()) == tiled_models.SMALL.n_layers * tiled_models.SMALL.tiles, groups
+    assert_exact(losses, ref_losses, out, ref_params, zero_gradient_leaves(loss_fn, params, data[0]))
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.mlp = TiledMLPNNX(d, 4 * d, TILES, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.mlp(self.norm(h))
+
+
+class NNXTiledLM(nnx.Module):
+    """`nnx.vmap`-made blocks run by `nnx.scan`, each with a `zinfjax.models.tiled_nnx.TiledMLP` (a nested scan)."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, rngs: nnx.Rngs | None = None):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs):
+            return NNXBlock(d, rngs)
+
+        self.blocks = blocks(rngs)
+        self.head = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def run(block, h):
+            return block(h)
+
+        return self.head(run(self.blocks, self.embed(tokens)))
+
+
+def nnx_loss(model, batch):
+    logits = model(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def test_nnx_blocks_with_a_tiled_mlp_stream_tile_by_tile_through_wrap(tmp_path):
+    model, tx = NNXTiledLM(rngs=nnx.Rngs(0)), optax.adam(1e-3)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    pure = params.to_pure_dict()
+
+    def pure_loss(p, batch):
+        s = jax.tree.map(lambda x: x, params)
+        s.replace_by_pure_dict(p)
+        return nnx_loss(nnx.merge(graphdef, s, rest), batch)
+
+    rng = np.random.default_rng(2)
+    data = [jnp.asarray(rng.integers(0, 64, (8, 17)), jnp.int32)] * STEPS
+    ref_losses, ref_params = in_memory_loop(pure_loss, pure, tx, data)
+    c = zinfjax.Config(nvme_path=str(tmp_path), params="nvme", optimizer="nvme", gradients="nvme", activations="nvme")
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    with zinfjax.wrap(optimizer, c, model=model, loss_fn=nnx_loss) as wrapped:
+        losses = [wrapped.train_step(b)[1]["loss"] for b in data]
+        groups = {g.name: g.length for g in wrapped.engine.program.streamed_groups()}
+        out = jax.tree.map(np.asarray, wrapped.sync())
+    assert max(groups.values()) == LAYERS * TILES
+    assert_exact(losses, ref_losses, out, ref_params, zero_gradient_leaves(pure_loss, pure, data[0]))
