@@ -104,6 +104,7 @@ def train_in_cgroup(sets: list[str], limit: int, workdir: str, timeout: float = 
     steps = data["steps"]
     return {
         **figures,
+        "log": log,
         "steps_completed": len(steps),
         "losses": [s["loss"] for s in steps],
         "init_s": data["init_s"],
