@@ -208,3 +208,40 @@ def test_nnx_blocks_with_a_tiled_mlp_stream_tile_by_tile_through_wrap(tmp_path):
         out = jax.tree.map(np.asarray, wrapped.sync())
     assert max(groups.values()) == LAYERS * TILES
     assert_exact(losses, ref_losses, out, ref_params, zero_gradient_leaves(pure_loss, pure, data[0]))
+
+
+class DenseBlock(nn.Module):
+    """A residual block around a `zinfjax.TiledDense` of 2 x 2 tiles (TiledLinear's in_splits and out_splits)."""
+
+    d: int = 32
+
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.gelu(zinfjax.TiledDense(4 * self.d, in_splits=2, out_splits=2, name="up")(nn.LayerNorm(name="ln")(x)))
+        return x + zinfjax.TiledDense(self.d, in_splits=4, out_splits=1, name="down")(h), None
+
+
+class DenseLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(64, 32, name="wte")(tokens)
+        x, _ = nn.scan(DenseBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)(
+            name="blocks")(x, None)
+        return nn.Dense(64, name="head")(x)
+
+
+def test_tiled_dense_layers_stream_tile_by_tile_through_wrap(tmp_path):
+    model, tx, data = DenseLM(), optax.adamw(1e-3), batches()
+    params, losses, out, groups, _ = wrapped_run(model, tx, data, tmp_path)
+    assert sorted(n for n, length in groups.items() if length == LAYERS * 4) == ["s:blocks.tiles1", "s:blocks.tiles3"]
+    ref_losses, ref_params = in_memory_loop(make_loss(model), params, tx, data)
+    assert_exact(losses, ref_losses, out, ref_params, zero_gradient_leaves(make_loss(model), params, data[0]))
+
+
+@pytest.mark.parametrize("recompute", ["always", "never"])
+def test_tiles_with_and_without_recomputation(tmp_path, recompute):
+    """Each body stage's and tile's backward reruns its forward, or takes the forward's saved residuals."""
+    model, tx, data = TiledLM(), optax.adam(1e-3), batches()
+    params, losses, out, _, _ = wrapped_run(model, tx, data, tmp_path, recompute=recompute)
+    ref_losses, ref_params = in_memory_loop(make_loss(model), params, tx, data)
+    assert_exact(losses, ref_losses, out, ref_params, zero_gradient_leaves(make_loss(model), params, data[0]))

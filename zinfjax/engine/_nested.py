@@ -8,8 +8,10 @@ after its backward, a layer group after the backward of the body stage that owns
 
 The values one layer's stages pass each other (the carry entering each tile, a norm's output that every
 tile reads) are the layer's activation checkpoints: they are held in memory from the layer's forward to
-its backward, as the engine holds a whole stage's residuals (docs/engine.md, "Tiles"). The parameters
-are never held: every tile and layer part is read for its forward and again for its backward.
+its backward, as the engine holds a whole stage's residuals (docs/engine.md, "Tiles"); with saved
+residuals (``recompute``) each stage's and tile's backward takes its forward's instead of rerunning it.
+The parameters are never held: every tile and layer part is read for its forward and again for its
+backward.
 """
 
 from __future__ import annotations
@@ -104,8 +106,13 @@ class NestedScan:
         def run(trees):
             env = self.envs[i]
             params = self._params(sub.params, groups, trees)
-            outs = self.io.dispatch(f"{self._label(sub)}_fwd", i, self.fns.whole_fwd(sub.position), params,
-                                    [env[v] for v in sub.inputs])
+            args = (f"{self._label(sub)}_fwd", i)
+            ins = [env[v] for v in sub.inputs]
+            if self.engine.saves_residuals:  # kept for the backward, which then reruns nothing
+                outs, self.step.kept[self._key(i, sub)] = self.io.dispatch(
+                    *args, self.fns.whole_fwd_saving(sub.position), params, ins)
+            else:
+                outs = self.io.dispatch(*args, self.fns.whole_fwd(sub.position), params, ins)
             env.update(zip(sub.outputs, outs, strict=True))
 
         return [self.op("part_fwd", i, self._reads(groups, i), run)]
@@ -126,10 +133,16 @@ class NestedScan:
             def run(trees, t=t):
                 env = self.envs[i]
                 slices = self.step._values(sub.streams, tiles, trees)
+                args = (f"{self._label(sub)}_fwd", t)
+                ins, xs = [env[v] for v in sub.const_vars], [env[v][:, t] for v in sub.xs_vars]
+                if self.engine.saves_residuals:
+                    state["carry"], state["ys"][t], self.step.kept[self._key(i, sub, t)] = self.io.dispatch(
+                        *args, self.fns.scan_fwd_saving(sub.position), state["params"], slices, ins, state["carry"],
+                        xs)
+                    return
                 self.carries[(i, sub.position, t)] = state["carry"]
                 state["carry"], state["ys"][t] = self.io.dispatch(
-                    f"{self._label(sub)}_fwd", t, self.fns.scan_fwd(sub.position), state["params"], slices,
-                    [env[v] for v in sub.const_vars], state["carry"], [env[v][:, t] for v in sub.xs_vars])
+                    *args, self.fns.scan_fwd(sub.position), state["params"], slices, ins, state["carry"], xs)
 
             ops.append(self.op("tile_fwd", t, self._reads(tiles, i, t), run))
 
@@ -165,6 +178,10 @@ class NestedScan:
         self.fwd.clear()
 
     # ---- backward ----------------------------------------------------------------------------
+
+    def _key(self, i: int, sub, t: int = -1) -> tuple:
+        """Where a body stage's saved residuals wait for its backward (`Step.kept`)."""
+        return ("nested", self.stage.position, i, sub.position, t)
 
     def _label(self, sub) -> str:
         return f"{self.label}.{sub.kind}{sub.position}"
@@ -237,8 +254,13 @@ class NestedScan:
             env = self.envs[i]
             params = self._params(sub.params, groups, trees[: len(groups)])
             d_outs = [self._ct(v) for v in sub.outputs]
-            d_params, d_ins = self.io.dispatch(f"{self._label(sub)}_bwd", i, self.fns.whole_bwd(sub.position), params,
-                                               [env[v] for v in sub.inputs], d_outs)
+            args = (f"{self._label(sub)}_bwd", i)
+            if self.engine.saves_residuals:
+                d_params, d_ins = self.io.dispatch(*args, self.fns.whole_bwd_saved(sub.position), params,
+                                                   self.step.kept.pop(self._key(i, sub)), d_outs)
+            else:
+                d_params, d_ins = self.io.dispatch(*args, self.fns.whole_bwd(sub.position), params,
+                                                   [env[v] for v in sub.inputs], d_outs)
             for v, c in zip(sub.inputs, d_ins, strict=True):
                 self._add_ct(v, c)
             self._add_grads(d_params)
@@ -280,13 +302,18 @@ class NestedScan:
     def _tile_step(self, sub, state, i: int, t: int, tiles: list, trees: list) -> None:
         env, n = self.envs[i], len(tiles)
         slices = self.step._values(sub.streams, tiles, trees[:n])
-        carry = self.carries.pop((i, sub.position, t))
         outvars = sub.eqn.outvars[sub.num_carry:]
         d_ys = [self.cts[v][:, t] if v in self.cts else zero_cotangent(env[v][:, t]) if differentiable(v.aval)
                 else None for v in outvars]
-        d_params, d_slices, d_ins, state["d_carry"], d_xs = self.io.dispatch(
-            f"{self._label(sub)}_bwd", t, self.fns.scan_bwd(sub.position), state["params"], slices,
-            [env[v] for v in sub.const_vars], carry, [env[v][:, t] for v in sub.xs_vars], state["d_carry"], d_ys)
+        args = (f"{self._label(sub)}_bwd", t)
+        if self.engine.saves_residuals:
+            d_params, d_slices, d_ins, state["d_carry"], d_xs = self.io.dispatch(
+                *args, self.fns.scan_bwd_saved(sub.position), state["params"], slices,
+                self.step.kept.pop(self._key(i, sub, t)), state["d_carry"], d_ys)
+        else:
+            d_params, d_slices, d_ins, state["d_carry"], d_xs = self.io.dispatch(
+                *args, self.fns.scan_bwd(sub.position), state["params"], slices, [env[v] for v in sub.const_vars],
+                self.carries.pop((i, sub.position, t)), [env[v][:, t] for v in sub.xs_vars], state["d_carry"], d_ys)
         self._add_grads(d_params)
         state["d_ins"] = d_ins if state["d_ins"] is None else [
             a if b is None else b if a is None else a + b for a, b in zip(state["d_ins"], d_ins, strict=True)]

@@ -65,10 +65,6 @@ class EnginePlan:
 
 def plan_engine(inputs: PlanInputs) -> EnginePlan:
     """The engine's plan: update parts and memory budget with recomputation, then reuse, then handoff."""
-    if any(s.kind == "scan" and s.body is not None for s in inputs.program.stages):
-        # A scan over tiles (`zinfjax.engine._nested`) recomputes each body stage, and reads every tile twice.
-        planned = plan_memory(dataclasses.replace(inputs, config=inputs.config.replace(recompute="always")))
-        return dataclasses.replace(planned, saves_residuals=False)
     planned = plan_reuse(inputs, plan_memory(inputs))
     return dataclasses.replace(planned, handoff=plan_handoff(inputs, planned.parts))
 

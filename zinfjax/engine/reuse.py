@@ -61,9 +61,10 @@ def candidates(program, specs) -> list[Candidate]:
     for stage in program.stages:
         if stage.kind == "scan":
             groups = sorted({program.leaves[k].group for k in stage.streams})
-            per = [sizes[g] for g in groups if g in sizes]
-            for i in stage.order():
-                reads.append(((stage.position, i), sum(n for n, _ in per), sum(b for _, b in per)))
+            per = [(sizes[g][0] * _per_layer(program, g), sizes[g][1]) for g in groups if g in sizes]
+            key = (lambda i: None) if stage.body is not None else (lambda i, p=stage.position: (p, i))  # noqa: E731
+            for i in stage.order():  # a layer of tiles is never kept whole (`zinfjax.engine._nested`)
+                reads.append((key(i), sum(n for n, _ in per), sum(b for _, b in per)))
         else:
             groups = sorted({program.leaves[k].group for k in stage.params})
             reads.append((None, sum(sizes[g][0] for g in groups if g in sizes), 0))
@@ -73,6 +74,12 @@ def candidates(program, specs) -> list[Candidate]:
             out.append(Candidate(key, 2 * after, nbytes))
         after += n
     return sorted(out, key=lambda c: c.distance)
+
+
+def _per_layer(program, group: str) -> int:
+    """The units of ``group`` one scan iteration reads: its tiles (`zinfjax.program.nested`), else one."""
+    leaf = program.leaves[program.groups[group].leaves[0]]
+    return (leaf.stream.tiles or 1) if leaf.stream is not None else 1
 
 
 def choose(found: list[Candidate], limit: int | None) -> list[Candidate]:
@@ -89,16 +96,18 @@ def timeline(program, slice_bytes: dict) -> list[tuple[tuple[int, int] | None, i
     optimizer state. ``slice_bytes`` is ``{(kind, group): bytes of one slice}``."""
 
     def reads(groups, kinds) -> int:
-        return sum(slice_bytes.get((kind, g), 0) for g in groups for kind in kinds)
+        return sum(slice_bytes.get((kind, g), 0) * _per_layer(program, g) for g in groups for kind in kinds)
 
     forward, backward = [], []
     for stage in program.stages:
         if stage.kind == "scan":
             groups = sorted({program.leaves[k].group for k in stage.streams})
             owned = [g for g in groups if program.groups[g].position == stage.position]
+            nested = stage.body is not None  # a layer of tiles: read tile by tile, never a candidate
             for i in stage.order():
-                forward.append(((stage.position, i), reads(groups, ["params"])))
-                backward.append(((stage.position, i), reads(groups, ["params"]) + reads(owned, STATE_KINDS)))
+                key = None if nested else (stage.position, i)
+                forward.append((key, reads(groups, ["params"])))
+                backward.append((key, reads(groups, ["params"]) + reads(owned, STATE_KINDS)))
         else:
             groups = sorted({program.leaves[k].group for k in stage.params})
             forward.append((None, reads(groups, ["params"])))
@@ -161,7 +170,7 @@ def handed_over(program, slice_bytes: dict, per_read: int, eligible) -> list[Can
     """
     sizes = {}
     for stage in program.stages:
-        if stage.kind == "scan":
+        if stage.kind == "scan" and stage.body is None:
             groups = {program.leaves[k].group for k in stage.streams}
             if groups and all(program.groups[g].position == stage.position for g in groups):
                 for i in stage.order():
