@@ -42,6 +42,10 @@ class NestedScan:
         self.cts: dict = {}  # the cotangents of the body's values, for the layer whose backward runs
         self.pending: dict = {}  # leaf -> its gradient so far, for the layer whose backward runs
         self.outer_params: dict = {}  # the outer scan's whole parameters, read at its begin
+        self.layer: dict = {}  # the current layer's own group (its leaves that are not tiles), read once per layer
+        self.layer_trees: dict = {}
+        self.layer_groups = sorted(g.name for g in self.program.groups.values() if g.position == stage.position
+                                   and g.sub is not None and not self.program.leaves[g.leaves[0]].stream.tiles)
 
     # ---- units and reads ---------------------------------------------------------------------
 
@@ -50,21 +54,34 @@ class NestedScan:
         return i * tiles + t if tiles else i
 
     def _groups(self, leaves) -> list[str]:
-        return sorted({self.program.leaves[k].group for k in leaves if k not in self.whole})
+        """The tile groups ``leaves`` belong to: what a body stage reads itself (the layer's group is held)."""
+        return sorted({self.program.leaves[k].group for k in leaves
+                       if k not in self.whole and self.program.leaves[k].stream.tiles})
 
     def _reads(self, groups, i: int, t: int = 0) -> list:
         return [Read(track("params", g), self.engine.stores.params[g], self._unit(g, i, t)) for g in groups]
 
     def _params(self, leaves, groups, trees) -> dict:
-        """``{leaf: value}`` for a body stage: the layer's (or tile's) slices read, and the outer whole parameters."""
+        """``{leaf: value}`` for a body stage: the outer whole parameters, the layer's held, the tiles read."""
         out = {k: self.outer_params[k] for k in leaves if k in self.whole}
-        out.update(self.step._values([k for k in leaves if k not in self.whole], groups, trees))
+        out.update({k: self.layer[k] for k in leaves if k in self.layer})
+        out.update(self.step._values([k for k in leaves if k not in out], groups, trees))
         return out
 
-    def _owned(self, sub) -> list:
-        """The layer groups (not tiles) whose gradient is complete once body stage ``sub`` ran its backward."""
-        return [g for g in self.program.groups.values() if g.position == self.stage.position and g.sub == sub.position
-                and not self.program.leaves[g.leaves[0]].stream.tiles]
+    def _read_layer(self, i: int, updating: bool) -> list:
+        """The reads of layer ``i``'s own group (and, in the backward, its update's): once per layer."""
+        reads = self._reads(self.layer_groups, i)
+        if updating:
+            reads += [r for g in self.layer_groups for r in self.step.updates.reads(g, i)]
+        return reads
+
+    def _hold_layer(self, trees: list) -> list:
+        """The layer group's values held for the layer's stages (``self.layer``); the rest of ``trees``."""
+        n = len(self.layer_groups)
+        leaves = [k for g in self.layer_groups for k in self.program.groups[g].leaves]
+        self.layer = self.step._values(leaves, self.layer_groups, trees[:n])
+        self.layer_trees = dict(zip(self.layer_groups, trees[:n], strict=True))
+        return trees[n:]
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -79,15 +96,17 @@ class NestedScan:
 
         ops = [self.op("scan_begin", stage.position, reads, begin)]
         for i in stage.order():
-            ops.append(self.op("layer_begin", i, [], functools.partial(self._enter, i)))
+            ops.append(self.op("layer_begin", i, self._read_layer(i, False), functools.partial(self._enter, i)))
             for sub in self.body.stages:
                 ops += self._whole_fwd(sub, i) if sub.kind == "whole" else self._tiles_fwd(sub, i)
             ops.append(self.op("layer_end", i, [], functools.partial(self._leave, i)))
         ops.append(self.op("scan_end", stage.position, [], self._end))
         return ops
 
-    def _enter(self, i: int, _) -> None:
-        """Layer ``i``'s body inputs: the carry, the scan's residual consts, and slice ``i`` of its residual xs."""
+    def _enter(self, i: int, trees) -> None:
+        """Layer ``i``'s body inputs: the carry, the scan's residual consts, and slice ``i`` of its residual xs;
+        and its own group, held for its stages."""
+        self._hold_layer(trees)
         stage, env, a = self.stage, {}, self.engine.micro
         n_c, n_k = stage.num_consts, stage.num_carry
         for j, (kind, what) in enumerate(stage.operands):
@@ -165,6 +184,7 @@ class NestedScan:
         outs = [jx.read(self.envs[i], v) for v in self.body.outvars]
         n_k = self.stage.num_carry
         self.fwd["carry"], self.fwd["ys"][i] = outs[:n_k], outs[n_k:]
+        self.layer = {}
 
     def _end(self, _) -> None:
         stage, step = self.stage, self.step
@@ -213,15 +233,17 @@ class NestedScan:
 
         ops = [self.op("scan_bwd_begin", stage.position, reads, begin)]
         for i in reversed(stage.order()):
-            ops.append(self.op("layer_bwd_begin", i, [], functools.partial(self._bwd_enter, i)))
+            ops.append(self.op("layer_bwd_begin", i, self._read_layer(i, True), functools.partial(self._bwd_enter, i)))
             for sub in reversed(self.body.stages):
                 ops += self._whole_bwd(sub, i) if sub.kind == "whole" else self._tiles_bwd(sub, i)
             ops.append(self.op("layer_bwd_end", i, [], functools.partial(self._bwd_leave, i)))
         ops.append(self.op("scan_bwd_end", stage.position, [], self._bwd_end))
         return ops
 
-    def _bwd_enter(self, i: int, _) -> None:
-        """The cotangents of layer ``i``'s outputs: its carry's, from the layer above, and its ys'."""
+    def _bwd_enter(self, i: int, trees) -> None:
+        """The cotangents of layer ``i``'s outputs: its carry's, from the layer above, and its ys'; its own group
+        and what its update reads, held until the layer's backward ran."""
+        self.bwd["upd"] = self._hold_layer(trees)
         self.bwd["layer"], self.cts, self.pending = i, {}, {}
         n_k = self.stage.num_carry
         for v, c in zip(self.body.outvars[:n_k], self.bwd["d_carry"], strict=True):
@@ -230,22 +252,16 @@ class NestedScan:
             if outer in self.step.cts:
                 self._add_ct(v, self.step.cts[outer][:, i])
 
-    def _update_owned(self, sub, i: int, trees: list) -> None:
-        """The layer groups ``sub`` owns, updated from their compute copies and update reads ``trees``."""
-        for g in self._owned(sub):
-            upd = self.step.updates.reads(g.name, i)
-            copy, trees = trees[0], trees[1:]
-            grads = [self.pending.pop(k, None) for k in g.leaves]
+    def _update_layer(self, i: int) -> None:
+        """Layer ``i``'s own group, updated from the gradients its stages left (zeros for a leaf none used)."""
+        upd = self.bwd.pop("upd")
+        for g in self.layer_groups:
+            n = len(self.step.updates.reads(g, i))
+            grads = [self.pending.pop(k, None) for k in self.program.groups[g].leaves]
             grads = [jnp.zeros(self.program.leaves[k].slice_shape, jnp.float32) if x is None else x
-                     for k, x in zip(g.leaves, grads, strict=True)]
-            self.step.updates.update_unit(g.name, i, copy, grads, trees[: len(upd)])
-            trees = trees[len(upd):]
-
-    def _owned_reads(self, sub, i: int) -> list:
-        out = []
-        for g in self._owned(sub):
-            out += self._reads([g.name], i) + self.step.updates.reads(g.name, i)
-        return out
+                     for k, x in zip(self.program.groups[g].leaves, grads, strict=True)]
+            self.step.updates.update_unit(g, i, self.layer_trees[g], grads, upd[:n])
+            upd = upd[n:]
 
     def _whole_bwd(self, sub, i: int) -> list:
         groups = self._groups(sub.params)
@@ -264,9 +280,8 @@ class NestedScan:
             for v, c in zip(sub.inputs, d_ins, strict=True):
                 self._add_ct(v, c)
             self._add_grads(d_params)
-            self._update_owned(sub, i, trees[len(groups):])
 
-        return [self.op("part_bwd", i, self._reads(groups, i) + self._owned_reads(sub, i), run)]
+        return [self.op("part_bwd", i, self._reads(groups, i), run)]
 
     def _tiles_bwd(self, sub, i: int) -> list:
         state: dict = {}
@@ -293,10 +308,9 @@ class NestedScan:
             for j, v in enumerate(sub.xs_vars):
                 if differentiable(v.aval):
                     self._add_ct(v, jnp.stack([state["d_xs"][t][j] for t in range(sub.length)], axis=1))
-            self._update_owned(sub, i, trees)
             state.clear()
 
-        ops.append(self.op("tiles_bwd_end", i, self._owned_reads(sub, i), end))
+        ops.append(self.op("tiles_bwd_end", i, [], end))
         return ops
 
     def _tile_step(self, sub, state, i: int, t: int, tiles: list, trees: list) -> None:
@@ -342,6 +356,8 @@ class NestedScan:
             elif j >= n_c + n_k:
                 xs[what] = c
         self.bwd["d_xs"][i] = xs
+        self._update_layer(i)
+        self.layer, self.layer_trees = {}, {}
         if self.pending:
             raise AssertionError(f"gradients of {sorted(self.pending)} were left without their update")
         self.envs.pop(i)

@@ -8,8 +8,8 @@ stretches and tile scans (a `Body`), and each leaf of the layer gets a group of 
 
 - a tile leaf (an inner scan's ``xs``): a group of ``layers * tiles`` units, unit ``i * tiles + t``
   being tile ``t`` of layer ``i`` (`Stream` with ``tiles``), updated as soon as that tile's backward ran;
-- every other leaf of the layer: a group of ``layers`` units, owned by the body's first stage that
-  uses it (its gradient is complete once that stage's backward ran).
+- every other leaf of the layer (norms, biases, matrices left whole): one group of ``layers`` units,
+  read once per layer and updated once the layer's backward ran.
 
 So one operation holds one tile (or the rest of one layer), never a whole layer. A tile leaf must be
 used by its tile scan alone, and a nested scan's leaves by no other scan; anything else is refused by
@@ -18,7 +18,7 @@ name.
 Example:
     >>> program = split(loss_fn, params_like, batch_like)     # blocks with a tiled MLP inside
     >>> sorted((g.name, g.length) for g in program.streamed_groups())
-    [('s:blocks.part0', 2), ('s:blocks.part2', 2), ('s:blocks.tiles1', 8)]
+    [('s:blocks.layer', 2), ('s:blocks.tiles1', 8)]
 """
 
 from __future__ import annotations
@@ -106,8 +106,10 @@ def _owners(program, stage) -> dict[int, tuple[int, int]]:
         if tiled and len(users) > 1:
             raise ProgramError(f"tile parameter {program.leaves[k].path} is used outside its tile scan; a tile "
                                f"leaf must be read by its own scan over tiles alone (see {DOCS})")
-        owner = users[0] if users else body.stages[0]
-        out[k] = (owner.position, _tiles(program.leaves[k].path, body.streams[k]) if tiled else None)
+        if tiled:
+            out[k] = (tiled[0].position, _tiles(program.leaves[k].path, body.streams[k]))
+        else:  # one group for the layer's other leaves, read once per layer (`zinfjax.engine._nested`)
+            out[k] = (body.stages[0].position, None)
     return out
 
 
@@ -150,12 +152,12 @@ def _regroup(program, stage) -> None:
 
 
 def _name(program, leaves: list[int], sub: int, tiles: int) -> str:
-    """``s:`` and the common path prefix of the scan's leaves, then the body stage: ``s:blocks.tiles1`` (a tile
-    group), ``s:blocks.part0`` (the layer leaves that body stage owns)."""
+    """``s:`` and the common path prefix of the scan's leaves, then ``tiles`` and the body stage of a tile group
+    (``s:blocks.tiles1``), or ``layer`` for the layer's other leaves (``s:blocks.layer``)."""
     parts = [program.leaves[k].path.split("/") for k in leaves]
     common = []
     for level in zip(*parts, strict=False):
         if len(set(level)) != 1:
             break
         common.append(level[0])
-    return f"s:{'.'.join(common) or 'params'}.{'tiles' if tiles else 'part'}{sub}"
+    return f"s:{'.'.join(common) or 'params'}." + (f"tiles{sub}" if tiles else "layer")
