@@ -2,20 +2,24 @@
 
 import os
 
+from tests.support.xla_flags import FAST_COMPILE
+
 # 8 simulated CPU devices. Tests compile hundreds of small functions and run each a few times, so XLA's
 # backend optimisations cost more than they save here (test_engine_stages.py: 244 s -> 143 s); both sides of
-# every comparison are compiled alike. Benchmarks and users keep XLA's defaults.
+# every comparison are compiled alike. Benchmarks, users, and the test children that measure keep XLA's
+# defaults; children that check behaviour compile as the tests do (tests.support.xla_flags.child_env).
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    + " --xla_llvm_disable_expensive_passes=true"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + FAST_COMPILE
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole run, test processes and their subprocesses alike: the
 # same stage functions are compiled by many tests, and a compile costs more than most steps on 2 cores.
+# Every compile is kept, however short: a step compiles hundreds of small functions, each under 0.05 s, and
+# their sum is most of a test's time (tests/engine/test_host_update.py, test_step_overhead.py and
+# models/test_products.py on a warm cache: 105 s keeping compiles over 0.05 s, 68 s keeping all; cold: 141 s).
 _CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402

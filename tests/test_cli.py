@@ -4,9 +4,14 @@ import re
 import subprocess
 import sys
 
+from tests.support.xla_flags import child_env
+
 
 def zinfjax(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "zinfjax.cli", *args], capture_output=True, text=True, **kw)
+    """``zinfjax`` in a child process with one CPU device, as a user's (not the test process's 8, on which the default
+    mesh would train data-parallel: the CLI's wiring is what these tests check)."""
+    return subprocess.run([sys.executable, "-m", "zinfjax.cli", *args], capture_output=True, text=True,
+                          env=child_env(), **kw)
 
 
 def test_help_explains_every_option():

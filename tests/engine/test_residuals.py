@@ -58,16 +58,18 @@ def _never_and_always(c: Config, steps: int):
     return never, always
 
 
-@pytest.mark.parametrize("keys", [
-    dict(params="nvme", optimizer="nvme", activations="nvme", stage=3),
+@pytest.mark.parametrize("keys,steps", [
+    # make test runs 5 steps on nvme; the same over STEPS is wide, for make test-all
+    (dict(params="nvme", optimizer="nvme", activations="nvme", stage=3), 5),
+    pytest.param(dict(params="nvme", optimizer="nvme", activations="nvme", stage=3), STEPS, marks=pytest.mark.wide),
     # a wide corner: bf16 (test_mixed_precision) and micro-batches (test_engine_stages) run the saved path by default
-    pytest.param(dict(precision="bf16", optimizer="host", grad_accum=2, mesh="data:2"),
+    pytest.param(dict(precision="bf16", optimizer="host", grad_accum=2, mesh="data:2"), STEPS,
                  marks=[pytest.mark.wide, pytest.mark.low_precision]),
 ])
-def test_saved_residuals_follow_the_reference_trainer(tmp_path, keys):
+def test_saved_residuals_follow_the_reference_trainer(tmp_path, keys, steps):
     c = config(**keys, nvme_path=str(tmp_path / "nvme"))
-    ref_losses, ref_params = reference_run(c, STEPS)
-    (losses, params, metrics), (re_losses, re_params, re_metrics) = _never_and_always(c, STEPS)
+    ref_losses, ref_params = reference_run(c, steps)
+    (losses, params, metrics), (re_losses, re_params, re_metrics) = _never_and_always(c, steps)
     if c.precision == "fp32":
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
         assert relative_error(ref_params, params) < 1e-6

@@ -100,27 +100,30 @@ def test_tiers_do_not_change_a_sharded_run(runs, tmp_path):
     assert_bitwise(device[1], params)
 
 
-def _per_device(runs, stage: int, op: str) -> dict[int, int]:
-    return {n: runs(f"data:{n}", stage)[2][-1][f"{op}_bytes_nvme_per_device"] for n in (1, 2, 4, 8)}
+def _per_device(runs, stage: int, op: str, counts) -> dict[int, int]:
+    return {n: runs(f"data:{n}", stage)[2][-1][f"{op}_bytes_nvme_per_device"] for n in counts}
 
 
+# make test checks 1, 2 and 8 devices, whose runs the tests above share but for two (data:1 at stage 3, data:8 at
+# stage 0); the wide form adds 4 devices, two runs of their own, for make test-all.
+@pytest.mark.parametrize("counts", [(1, 2, 8), pytest.param((1, 2, 4, 8), marks=pytest.mark.wide)])
 @pytest.mark.parametrize("op", ["read", "write"])
-def test_nvme_bytes_per_device_fall_as_one_over_n_at_stage3(runs, op):
+def test_nvme_bytes_per_device_fall_as_one_over_n_at_stage3(runs, op, counts):
     """Bandwidth-centric partitioning: each device moves only its own shard of each layer.
 
     Per-device bytes must follow b(N) = R + S/N: S bytes split over the devices and a small
     replicated remainder R (leaves under the persistence threshold). S and R come from N=1, 2;
-    N=4 and 8 must then land on the curve. At stage 0 every device moves every byte.
+    every larger N must then land on the curve. At stage 0 every device moves every byte.
     """
-    b = _per_device(runs, 3, op)
+    b = _per_device(runs, 3, op, counts)
     split = 2 * (b[1] - b[2])
     rest = b[1] - split
     assert 0 <= rest < 0.1 * b[1]
-    for n in (4, 8):
+    for n in counts[2:]:
         assert b[n] == pytest.approx(rest + split / n, rel=1e-12)
-    assert len(set(_per_device(runs, 0, op).values())) == 1
+    assert len(set(_per_device(runs, 0, op, counts).values())) == 1
     # The process still reads every shard once: no device's shard is read twice, none skipped.
-    totals = {runs(f"data:{n}", 3)[2][-1][f"{op}_bytes_nvme"] for n in (1, 2, 4, 8)}
+    totals = {runs(f"data:{n}", 3)[2][-1][f"{op}_bytes_nvme"] for n in counts}
     assert len(totals) == 1
 
 
@@ -139,8 +142,14 @@ def _device_bytes(stores) -> collections.Counter:
 PRECISION_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 4, 12)}  # gradients stay fp32 in the gradient tier
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", range(4))
+# make test takes each stage once and each precision twice (bf16, whose fp32 master counts in K, at stages 1 and
+# 3); the other four corners of stage x precision are wide, for make test-all.
+FORMULA_CASES = {(0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "bf16")}
+
+
+@pytest.mark.parametrize("stage,precision", [
+    pytest.param(stage, precision, marks=() if (stage, precision) in FORMULA_CASES else pytest.mark.wide)
+    for precision in ("fp32", "bf16") for stage in range(4)])
 def test_model_state_per_device_follows_zero_formulas(stage, precision):
     """Adam on 8 devices: ZeRO's stage formulas on the shardable part, plus the leaves under the
     persistence threshold whole on every device, plus Adam's step counts.

@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from tests.support.engine_helpers import batches, config, make_engine
+from tests.support.xla_flags import child_env
 from zinfjax import Config, models
 from zinfjax.checkpoint import CheckpointManager
 from zinfjax.errors import UserError
@@ -132,7 +133,7 @@ def test_cli_generate_json(trained_checkpoint, tmp_path):
     path, _ = trained_checkpoint
     cli = [sys.executable, "-m", "zinfjax.cli", "generate", path, "--prompt-ids", "72,101", "--max-new-tokens", "4",
            "--batch-size", "2", "--json", "--set", "params=nvme", "--set", f"nvme_path={tmp_path}"]
-    out = subprocess.run(cli, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": ""})
+    out = subprocess.run(cli, capture_output=True, text=True, env=child_env())  # one device, the tests' XLA flags
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert [len(t) for t in result["tokens"]] == [6, 6] and result["tokens"][0][:2] == [72, 101]

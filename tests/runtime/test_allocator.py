@@ -1,13 +1,13 @@
 """malloc on transparent huge pages: the environment ``zinfjax train`` restarts itself with, and that it does."""
 
 import json
-import os
 import platform
 import subprocess
 import sys
 
 import pytest
 
+from tests.support import xla_flags
 from zinfjax.runtime.allocator import HUGE_PAGES, huge_pages_env, thp_mode
 
 
@@ -34,7 +34,8 @@ def test_the_kernel_mode_is_the_bracketed_word(tmp_path):
 
 def _train_log(tmp_path, **env) -> dict:
     log = tmp_path / "log.json"
-    child_env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | env
+    # One CPU device, as a user's process (the default mesh takes every device; the test process simulates 8).
+    child_env = {k: v for k, v in xla_flags.child_env().items() if k != "GLIBC_TUNABLES"} | env
     out = subprocess.run([sys.executable, "-m", "zinfjax.cli", "train", "--quiet", "--set", "model=gpt2-tiny",
                           "--set", "steps=1", "--set", f"log={log}"], env=child_env, capture_output=True, text=True,
                          timeout=300)

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from tests.support.xla_flags import child_env
+
 ZINFJAX = [sys.executable, "-m", "zinfjax.cli"]
 RUN = ["--quiet", "--set", "steps=3", "--set", "seq_len=32", "--set", "batch_size=8", "--set", "seed=3"]
 TOLERANCE = 1e-5
@@ -17,8 +19,9 @@ BOUND_S = 300  # no launch may take longer: a hang fails the test instead of sta
 
 
 def run(args, devices=None, **kw):
-    """Runs a command with its own simulated device count (the test process has 8)."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices or 1}"}
+    """Runs a command with its own simulated device count (the test process has 8), compiled as the tests compile
+    (tests.support.xla_flags): every process of a comparison alike."""
+    env = child_env(devices or 1)
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=BOUND_S, **kw)
 
 
@@ -64,9 +67,13 @@ def test_reference_two_processes_match_one_process(one_process_four_devices, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.wide), 3])
 def test_engine_on_nvme_two_processes_match_one_process(one_process_four_devices, tmp_path, stage):
-    """Also saves checkpoints at steps 2 and 3 from both processes (docs/checkpoint.md)."""
+    """Also saves checkpoints at steps 2 and 3 from both processes (docs/checkpoint.md).
+
+    make test runs stage 3, where each process reads and writes its own shard of every layer and the
+    checkpoint is resumed in one process; stage 0 (every process holds every layer: the single-process
+    path once per process) is the wide corner, for make test-all."""
     log, nvme, ckpt = tmp_path / "mp.json", tmp_path / "nvme", tmp_path / "ckpt"
     out = launch(2, *ZINFJAX, "train", *RUN, "--set", f"stage={stage}", "--set", "params=nvme",
                  "--set", "optimizer=nvme", "--set", f"nvme_path={nvme}", "--set", f"log={log}",

@@ -29,7 +29,10 @@ def losses_on(devices, config, steps=4):
     return out, params
 
 
-@pytest.mark.parametrize("model,accum", [("gpt2-tiny", 1), ("llama-tiny", 2)])
+# make test runs gpt2 with micro-batches (the accumulation and the data split in one run); the wide corners, for
+# make test-all, are gpt2 without micro-batches and llama with them.
+@pytest.mark.parametrize("model,accum", [("gpt2-tiny", 2), pytest.param("gpt2-tiny", 1, marks=pytest.mark.wide),
+                                         pytest.param("llama-tiny", 2, marks=pytest.mark.wide)])
 def test_data_parallel_on_8_devices_equals_1_device(model, accum):
     config = Config(model=model, batch_size=16, seq_len=16, grad_accum=accum, grad_clip=1.0)
     one, p1 = losses_on(jax.devices()[:1], config)
@@ -58,8 +61,11 @@ def _plain_run(built, tx, mesh, config, steps):
     return losses, params
 
 
-@pytest.mark.parametrize("model,precision", [("gpt2-tiny", "fp32"), ("llama-tiny", "fp32"),
-                                                   pytest.param("gpt2-tiny", "bf16", marks=pytest.mark.low_precision)])
+# make test runs gpt2 in fp32 and bf16; llama (the same remat of each block, over another block) is the wide corner,
+# for make test-all.
+@pytest.mark.parametrize("model,precision", [("gpt2-tiny", "fp32"),
+                                             pytest.param("llama-tiny", "fp32", marks=pytest.mark.wide),
+                                             pytest.param("gpt2-tiny", "bf16", marks=pytest.mark.low_precision)])
 def test_the_trainer_keeps_each_blocks_products_and_follows_the_plain_loop(model, precision):
     """`zinfjax train`'s in-memory step differentiates through ``nn.remat`` (each block keeps its products and
     recomputes the rest); it follows the plain loop of the same model to float32 rounding in fp32. In bf16 the
