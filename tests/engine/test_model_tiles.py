@@ -104,8 +104,8 @@ def _exact(name, tiles, extra, tmp_path, steps=STEPS):
 
 @pytest.mark.parametrize(("name", "tiles", "extra"), CASES)
 def test_tiled_engine_on_nvme_is_the_untiled_in_memory_loop(name, tiles, extra, tmp_path):
-    """The short form: 10 steps (the wide form runs every case for 20)."""
-    _exact(name, tiles, extra, tmp_path, steps=10)
+    """The short form: 5 steps (the wide form runs every case for 20)."""
+    _exact(name, tiles, extra, tmp_path, steps=5)
 
 
 @pytest.mark.wide
@@ -125,7 +125,7 @@ def test_one_tile_count_is_bitwise_across_tiers(tmp_path):
 def test_tiled_bf16_is_no_farther_from_fp32_than_untiled_bf16(tmp_path):
     def run(precision, tiles):
         c = config(precision=precision, **NVME, nvme_path=str(tmp_path / f"{precision}-{tiles}"))
-        return tiled_run(c, tiles, steps=10)[:2]
+        return tiled_run(c, tiles, steps=6)[:2]
 
     exact_losses, exact = run("fp32", 1)
     ref_losses, ref = run("bf16", 1)
