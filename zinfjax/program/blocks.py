@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import math
 
-import jax
-import jax.extend.random as jrandom
 import jax.numpy as jnp
 from jax import lax
 
 from zinfjax.program import jaxpr as jx
-from zinfjax.program.rows import ELEMENTWISE, Unsliceable
+from zinfjax.program.rows import Unsliceable, _Walker
 
 
 def block(eqns, env: dict, outvar, axis: int, lo, n: int):
@@ -63,80 +61,47 @@ def _through_reshape(eqn, axis: int, lo, n: int):
     return None
 
 
-class _Block:
-    """Evaluates eqns with the variables of the target's full shape held as blocks of ``n`` along ``axis``."""
+class _Block(_Walker):
+    """`rows`' evaluator with the block along ``axis`` in place of the leading rows: the variables of the target's
+    full shape are held as blocks of ``n`` along ``axis`` from ``lo``."""
 
     def __init__(self, shape: tuple, axis: int, lo, n: int):
-        self.shape, self.axis, self.lo, self.n = shape, axis, lo, n
-        self.sliced: set = set()
+        super().__init__(shape[axis], lo, n)
+        self.shape, self.axis = shape, axis
 
     def full(self, var) -> bool:
         return tuple(getattr(var.aval, "shape", ())) == self.shape
 
-    def run(self, eqns, env: dict) -> dict:
-        for eqn in eqns:
-            outs = self.eqn(eqn, [jx.read(env, a) for a in eqn.invars])
-            for var, value in zip(eqn.outvars, outs, strict=True):
-                if jx.is_var(var):
-                    env[var] = value
-        return env
-
-    def eqn(self, eqn, args: list) -> list:
-        name = eqn.primitive.name
-        touched = any(jx.is_var(a) and a in self.sliced for a in eqn.invars)
-        if not touched and not any(self.full(v) for v in eqn.outvars):
-            out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
-            return out if eqn.primitive.multiple_results else [out]
-        if not all(self.full(v) for v in eqn.outvars if jx.is_var(v)):
-            raise Unsliceable(f"{name} changes the shape of the tile's layer")
-        if name == "random_bits":
-            out = self._bits(args[0], eqn.params)
-        elif name == "iota":
-            out = self._iota(eqn.params)
-        elif name == "broadcast_in_dim" and not touched:
-            out = self._broadcast(eqn, args[0])
-        elif name in ELEMENTWISE:
-            args = [self._chunk(a, x) for a, x in zip(eqn.invars, args, strict=True)]
-            out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
-        else:
-            raise Unsliceable(f"{name} is not elementwise")
-        self.sliced.update(v for v in eqn.outvars if jx.is_var(v))
-        return out if eqn.primitive.multiple_results else [out]
-
-    def _block_shape(self) -> tuple:
-        shape = list(self.shape)
-        shape[self.axis] = self.n
-        return tuple(shape)
+    def _shape(self, shape) -> tuple:
+        out = list(shape)
+        out[self.axis] = self.n
+        return tuple(out)
 
     def _chunk(self, atom, x):
         if not jx.is_var(atom) or atom in self.sliced or not self.full(atom):
             return x
         return lax.dynamic_slice_in_dim(x, self.lo, self.n, self.axis)
 
-    def _bits(self, key, params: dict):
-        if not jax.config.jax_threefry_partitionable or "threefry" not in str(jax.random.key_impl(key)):
-            raise Unsliceable("blocks of random bits need partitionable threefry keys")
-        if params["bit_width"] != 32 or math.prod(self.shape) >= 2**32:
-            raise Unsliceable("random bits other than 32-bit, or 2**32 elements or more")
-        flat = jnp.zeros(self._block_shape(), jnp.uint32)
-        stride = 1
+    def _flat_index(self, shape):
+        """The flat (row-major) index in the whole array of each element of the block, as uint32."""
+        if math.prod(self.shape) >= 2**32:  # the counter's high word would not be 0
+            raise Unsliceable("the layer has 2**32 elements or more")
+        block, flat, stride = self._shape(self.shape), jnp.zeros(self._shape(self.shape), jnp.uint32), 1
         for d in reversed(range(len(self.shape))):
-            index = lax.broadcasted_iota(jnp.uint32, self._block_shape(), d)
+            index = lax.broadcasted_iota(jnp.uint32, block, d)
             if d == self.axis:
                 index = index + jnp.asarray(self.lo, jnp.uint32)
             flat = flat + index * jnp.uint32(stride)
             stride *= self.shape[d]
-        data = jax.random.key_data(key)
-        bits1, bits2 = jrandom.threefry2x32_p.bind(data[0], data[1], jnp.zeros_like(flat), flat)
-        return bits1 ^ bits2
+        return flat
 
     def _iota(self, params: dict):
         dim = params["dimension"]
-        out = lax.broadcasted_iota(params["dtype"], self._block_shape(), dim)
+        out = lax.broadcasted_iota(params["dtype"], self._shape(params["shape"]), dim)
         return out + jnp.asarray(self.lo, params["dtype"]) if dim == self.axis else out
 
     def _broadcast(self, eqn, x):
         dims = eqn.params["broadcast_dimensions"]
         if self.axis in dims and jnp.shape(x)[dims.index(self.axis)] != 1:
             raise Unsliceable("broadcast_in_dim spans the tile's axis")
-        return lax.broadcast_in_dim(x, self._block_shape(), dims)
+        return lax.broadcast_in_dim(x, self._shape(eqn.params["shape"]), dims)
