@@ -36,17 +36,14 @@ def format_plan(plan: dict, top: int = 12) -> str:
     header = f"{'params':<8}{'optimizer':<10}{'gradients':<10}{'activations':<12}{'fits':<6}{'step s':>8}" \
              f"{'compute':>9}{'host':>8}{'nvme':>8}  short"
     lines.append(header)
-    shown = [row for row in plan["placements"] if row["fits"]][:top]
-    shown += [row for row in plan["placements"] if not row["fits"]][:max(0, top - len(shown))]
+    shown = shown_placements(plan["placements"], top)
     for row in shown:
         t = row["tiers"]
         short = ", ".join(f"{k} {format_bytes(v)}" for k, v in row["short"].items())
         lines.append(f"{t['params']:<8}{t['optimizer']:<10}{t['gradients']:<10}{t['activations']:<12}"
                      f"{'yes' if row['fits'] else 'no':<6}{row['step_s']:>8.3f}{row['compute_s']:>9.3f}"
                      f"{row['host_copy_s']:>8.3f}{row['nvme_io_s']:>8.3f}  {short}")
-    more = len(plan["placements"]) - len(shown)
-    if more:
-        lines.append(f"... {more} more placements (--all shows them, --json gives every figure)")
+    lines += more_placements(plan["placements"], shown)
     rec = plan["recommended"]
     lines += ["", "recommended: " + " ".join(f"params={rec['tiers']['params']} optimizer={rec['tiers']['optimizer']} "
                                               f"gradients={rec['tiers']['gradients']} "
@@ -145,8 +142,7 @@ def format_machine_plan(plan: dict, top: int = 12) -> str:
     lines.append(f"placements on {plan['nodes']} node(s):")
     lines.append(f"{'params':<8}{'optimizer':<10}{'gradients':<10}{'activations':<12}{'fits':<6}{'step s':>9}"
                  f"{'compute':>9}{'host':>9}{'nvme':>9}{'network':>9}{'peak':>7}  short")
-    shown = [r for r in plan["placements"] if r["fits"]][:top]
-    shown += [r for r in plan["placements"] if not r["fits"]][:max(0, top - len(shown))]
+    shown = shown_placements(plan["placements"], top)
     for r in shown:
         t = r["tiers"]
         short = ", ".join(f"{k} {format_bytes(v)}" for k, v in r["short"].items())
@@ -154,11 +150,21 @@ def format_machine_plan(plan: dict, top: int = 12) -> str:
                      f"{'yes' if r['fits'] else 'no':<6}{_seconds(r['step_s']):>9}{_seconds(r['compute_s']):>9}"
                      f"{_seconds(r['host_copy_s']):>9}{_seconds(r['nvme_io_s']):>9}{_seconds(r['network_s']):>9}"
                      f"{100 * r['peak_fraction']:>6.1f}%  {short}")
-    more = len(plan["placements"]) - len(shown)
-    if more:
-        lines.append(f"... {more} more placements (--all shows them, --json gives every figure)")
+    lines += more_placements(plan["placements"], shown)
     rec = plan["recommended"]
     lines += ["", f"recommended: {_tiers(rec['tiers'])} (predicted {_seconds(rec['step_s'])} s/step, "
               f"{100 * rec['peak_fraction']:.1f}% of peak)"]
     lines += [f"note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
+
+
+def shown_placements(placements: list, top: int) -> list:
+    """The placements a table shows: those that fit first, then those that do not, ``top`` in all."""
+    shown = [r for r in placements if r["fits"]][:top]
+    return shown + [r for r in placements if not r["fits"]][:max(0, top - len(shown))]
+
+
+def more_placements(placements: list, shown: list) -> list[str]:
+    """The line that counts the placements a table leaves out (none when it shows them all)."""
+    more = len(placements) - len(shown)
+    return [f"... {more} more placements (--all shows them, --json gives every figure)"] if more else []
