@@ -49,7 +49,14 @@ from zinfjax_interop.errors import (
     UnexpectedTensorError,
     UnknownArchitectureError,
 )
-from zinfjax_interop.files import SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX, StateDictFile
+from zinfjax_interop.files import (
+    SAFETENSORS,
+    SAFETENSORS_INDEX,
+    TORCH_BIN,
+    TORCH_BIN_INDEX,
+    StateDictFile,
+    copy_tokenizer,
+)
 from zinfjax_interop.hf import CONFIG, HFCheckpoint, Tensor, hf_specs, write_hf, zinfjax_shapes
 from zinfjax_interop.hf_config import from_hf_config
 from zinfjax_interop.mapping import load_mapping
@@ -106,9 +113,20 @@ def convert(src: str, dst: str, to: str = "zinfjax", *, source_format: str | Non
     hf = HFTarget(DTYPES[dtype] if dtype else None, parse_bytes(max_shard_size))
     try:
         out = _convert(src, dst, to, kind, model_config, mapping, lr, hf, progress)
+        out["tokenizer"] = _carry_tokenizer(src, dst, to)
     except OSError as e:
         raise _write_error(dst, e) from e
     return {"source": os.path.abspath(src), "format": kind, "to": to, **out}
+
+
+def _carry_tokenizer(src: str, dst: str, to: str) -> str | None:
+    """The source's tokenizer files, carried along: into ``<dst>/tokenizer`` beside a zinfjax save_dir, or into
+    an HF directory's own; None when the source has none."""
+    from zinfjax.data.tokenizers import SUBDIR, beside
+
+    origin = src if os.path.isdir(src) else os.path.dirname(src)
+    found = beside(origin)
+    return copy_tokenizer(found, os.path.join(dst, SUBDIR) if to == "zinfjax" else dst) if found else None
 
 
 def _convert(src: str, dst: str, to: str, kind: str, model_config: ModelConfig | None, mapping: str | None,

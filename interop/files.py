@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 from contextlib import ExitStack
 
 import ml_dtypes
@@ -282,3 +283,19 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
     with SafetensorsWriter(path, [(name, a.dtype, a.shape) for name, a in tensors.items()]) as writer:
         for a in tensors.values():
             writer.write(a)
+
+
+def copy_tokenizer(src: str, dst: str) -> str | None:
+    """Copies the Hugging Face tokenizer files of the directory ``src`` (if it holds a tokenizer) into ``dst``;
+    returns ``dst``, or None when there was none. A converted model keeps its tokenizer so that its text is
+    tokenized as in pretraining (`zinfjax.data.tokenizers`)."""
+    from zinfjax.data.tokenizers import TOKENIZER_FILES, has_tokenizer
+
+    if src is None or not has_tokenizer(src):
+        return None
+    os.makedirs(dst, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(dst, name))
+    return dst

@@ -139,6 +139,7 @@ def test_model_is_a_named_size_a_model_file_or_a_checkpoint(tmp_path):
     ("model=[1, 2]", "is not a valid str"),
     ("log=true", "log=True is not a valid str"),
     ("resume=-3", "resume=-3 is not allowed; use true"),
+    ("stream_tiles=never", "stream_tiles='never' is not allowed; use auto, always$"),
     ("host_buffer_bytes=.inf", "host_buffer_bytes: not a byte size"),
     ("lr=[1", r"--set 'lr=\[1': the value cannot be parsed \(expected"),
     ("overwrite=true", "need a checkpoint directory"),

@@ -276,9 +276,9 @@ def add_generate(sub) -> None:
 def _generate(args) -> int:
     from zinfjax.checkpoint.model import checkpoint_model
     from zinfjax.config import Config
+    from zinfjax.data.tokenizers import load_tokenizer
     from zinfjax.inference import Sampling, generate
     from zinfjax.inference.generate import check_counts, parse_ids
-    from zinfjax.inference.tokenizer import load_tokenizer
 
     config = Config.load(None, args.overrides)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)

@@ -30,6 +30,7 @@ WARMUPS = ("linear", "log")
 TIER_MODES = ("manual", "auto")
 UPDATE_ON = ("auto", "device", "host")
 RECOMPUTE = ("auto", "always", "never")
+STREAM_TILES = ("auto", "always")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Config:
     memory_limit: int | None = None  # None: the cgroup's limit or the available memory, less a margin
     sub_group_size: int | None = None  # parameters per update part; None: parts only when memory needs them
     tiles: str = "auto"  # a block's MLP and attention in this many tiles (models/tiling.py); auto: the fewest that fit
+    stream_tiles: str = "auto"  # stream a tiled layer tile by tile: always, or auto (only when the layer does not fit)
     update_on: str = "auto"  # where the optimizer update runs: device, host, or auto (engine.update_location)
     recompute: str = "auto"  # rerun each layer's forward in its backward: always, never or auto (docs/engine.md)
     max_reuse_distance: int | None = None  # keep parameters for the backward; unset: what fits (engine/reuse.py)
@@ -66,6 +68,8 @@ class Config:
     # run
     model: str = "gpt2-tiny"
     data: str = "demo"
+    data_field: str = "text"  # the text's field in JSON Lines, Parquet or a datasets directory
+    tokenizer: str | None = None  # None: the model's own (zinfjax/data/tokenizers.py), else bytes or a directory
     steps: int = 100
     batch_size: int = 8  # the global batch; 0 with micro_batch_size: micro x grad_accum x data-parallel size
     micro_batch_size: int | None = None  # DeepSpeed's train_micro_batch_size_per_gpu
@@ -307,6 +311,8 @@ def _validate(c: Config) -> None:
     _check(c.tiles == "auto" or (c.tiles.isdigit() and int(c.tiles) >= 1),
            f"tiles={c.tiles!r} is not allowed; use auto (the fewest tiles whose largest operation fits memory) or a "
            "positive count that divides the model's d_ff and heads")
+    _check(c.stream_tiles in STREAM_TILES,
+           f"stream_tiles={c.stream_tiles!r} is not allowed; use {', '.join(STREAM_TILES)}")
     for key in ("host_buffer_bytes", "memory_limit", "sub_group_size"):
         _check(getattr(c, key) is None or getattr(c, key) > 0, f"{key}={getattr(c, key)} must be positive")
     _check(c.precision in PRECISIONS, f"precision={c.precision!r} is not allowed; use {', '.join(PRECISIONS)}")
@@ -359,8 +365,12 @@ KEY_DOCS = {
                       "writing each part's optimizer state alone, as DeepSpeed's sub_group_size; default: one "
                       "update per layer, and parts only when memory_limit needs them",
     "tiles": "run each block's MLP over this many tiles of its hidden units and its attention over as many groups "
-             "of heads, streamed one tile at a time (memory-centric tiling; the parameters are the same); auto "
-             "(default): untiled when the largest layer fits memory_limit, else the fewest tiles that fit",
+             "of heads, streamed tile by tile where a layer does not fit whole (stream_tiles; the parameters are "
+             "the same); auto (default): untiled when the largest layer fits memory_limit, else the fewest tiles "
+             "that fit",
+    "stream_tiles": "how a layer whose blocks scan over tiles is streamed: auto (default) reads, writes and updates "
+                    "it a whole layer at a time, its tiles computed in turn, whenever the memory budget holds the "
+                    "layer, and tile by tile only when it does not; always streams it tile by tile",
     "update_on": "where the optimizer update runs: device, host (the host CPU, beside the optimizer state on host "
                  "or nvme: only gradients go down and the compute copy comes up) or auto (host when the optimizer "
                  "state is off an accelerator, device on the CPU backend)",
@@ -377,7 +387,13 @@ KEY_DOCS = {
     "mesh": "device mesh, e.g. data:4,model:2; -1 takes the remaining devices",
     "model": f"named model size ({', '.join(['gpt2-tiny', 'gpt2-small', '...', 'llama-7b'])}), a ModelConfig "
              "JSON/YAML file, or a zinfjax checkpoint directory whose model to train (zinfjax convert writes one)",
-    "data": "demo (embedded corpus), a .bin uint16 token file, a .txt file, a directory or a glob",
+    "data": "demo (embedded corpus), a .bin uint16 token file, text (a .txt file, a directory of them or a glob), "
+            "JSON Lines (.jsonl) or Parquet with a text field, or a datasets directory (save_to_disk); text is "
+            "tokenized once by the model's tokenizer into a token file cached beside it (.zinfjax-tokens/)",
+    "data_field": "the field (or column) holding the text in JSON Lines, Parquet or a datasets directory; default text",
+    "tokenizer": "the tokenizer text data is tokenized with: bytes, or a Hugging Face tokenizer directory; default: "
+                 "the one zinfjax convert kept beside the model (<model>/tokenizer), else bytes for a model made from "
+                 "a config",
     "steps": "optimizer steps to run",
     "batch_size": "sequences per optimizer step (split over micro-batches and the data axis); 0 with "
                   "micro_batch_size: micro_batch_size x grad_accum x data-parallel size",

@@ -30,6 +30,7 @@ from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.checkpoint import CheckpointSource
 from zinfjax.config import Config
 from zinfjax.engine import BatchError, Engine, update_plan
+from zinfjax.engine.engine import streamed_program
 from zinfjax.engine.source import TreeSource
 from zinfjax.errors import UserError
 from zinfjax.models.stacked import StackedLM, lm_init, lm_loss
@@ -174,7 +175,9 @@ def _builder(loss_fn, params, tx, config: Config, mesh, partition_rules, source_
     params_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _compute_dtype(x, compute)), params)
 
     def build(batch) -> Engine:
-        program = program_for(loss_fn, params_like, _micro_like(batch, config.grad_accum), with_rng)
+        micro = _micro_like(batch, config.grad_accum)
+        program = streamed_program(lambda nest: program_for(loss_fn, params_like, micro, with_rng, nest), tx, config,
+                                   mesh, tuple(partition_rules))
         plan = update_plan(tx, program)
         return Engine(program, source_for(program, plan), tx, config, mesh, tp_rules=tuple(partition_rules))
 

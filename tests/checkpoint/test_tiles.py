@@ -28,6 +28,7 @@ NVME = dict(params="nvme", optimizer="nvme", gradients="nvme", activations="nvme
 
 def engine_in(c, tiles: int, source):
     model = models.build(ModelConfig.resolve(c.model).replace(tiles=tiles))
+    c = c.replace(stream_tiles="always")
     return lm_engine(model, c, make_mesh(c.mesh_axes()), source=source, tx=_tx(c))
 
 

@@ -39,15 +39,18 @@ from zinfjax.program import InitSource, program_for
 from zinfjax.program.split import store_slice
 from zinfjax.runtime import rss
 from zinfjax.sharding import make_mesh
-from zinfjax.trainers.streaming import choose_tiles, fits, lm_engine
+from zinfjax.trainers.optimizers import make_optimizer
+from zinfjax.trainers.streaming import choose_tiles, fits, lm_engine, lm_program
 
 STEPS = 20
 NVME = dict(params="nvme", optimizer="nvme", gradients="nvme", activations="nvme")
 LARGE = ModelConfig("gpt2", 256, 64, 4096, 2, 32, 65536)  # one block of 2.4 GB of fp32 weights
 
 
-def tiled_run(c, tiles: int, steps: int = STEPS):
-    """The engine on ``c`` with the model in ``tiles`` tiles, from the reference's initial parameters."""
+def tiled_run(c, tiles: int, steps: int = STEPS, stream_tiles: str = "always"):
+    """The engine on ``c`` with the model in ``tiles`` tiles, from the reference's initial parameters; streamed
+    tile by tile unless ``stream_tiles`` says otherwise."""
+    c = c.replace(stream_tiles=stream_tiles)
     model = models.build(ModelConfig.resolve(c.model).replace(tiles=tiles), _dtype(c))
     params = initial_params(c)
     engine = lm_engine(model, c, make_mesh(c.mesh_axes()), source=lambda p, plan: TreeSource(p, plan, params),
@@ -154,3 +157,18 @@ def test_auto_runs_untiled_where_the_model_fits_and_else_the_fewest_tiles_that_f
     assert chosen > 1
     with pytest.raises(MemoryBudgetError):  # half as many tiles do not fit: the fewest that do
         fits(LARGE.replace(tiles=chosen // 2), tight, mesh)
+    # A layer that does not fit whole is streamed tile by tile (stream_tiles=auto).
+    program, _ = lm_program(models.build(LARGE.replace(tiles=chosen)), tight, make_optimizer(tight), mesh)
+    assert {g.length for g in program.streamed_groups() if ".tiles" in g.name} == {LARGE.n_layers * chosen}
+
+
+def test_auto_streams_a_tiled_layer_whole_where_it_fits(tmp_path):
+    """``stream_tiles=auto``: gpt2-tiny in 4 tiles, whose layers fit the budget, is read, written and updated a
+    whole layer an operation (no tile group), its tiles computed in turn inside it; and it is the in-memory loop."""
+    c = config(model="gpt2-tiny", **NVME, nvme_path=str(tmp_path))
+    ref_losses, ref_params = reference_run(c, 5)
+    losses, params, groups = tiled_run(c, 4, steps=5, stream_tiles="auto")
+    assert groups["s:blocks"] == ModelConfig.named("gpt2-tiny").n_layers
+    assert not [g for g in groups if ".tiles" in g or ".layer" in g], groups
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert relative_error(ref_params, params) < 1e-5

@@ -90,7 +90,7 @@ def wrapped_run(model, tx, data, tmp_path, tier="nvme", **config):
     params = model.init(jax.random.key(0), data[0]["x"])["params"]
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     tiers = dict(params=tier, optimizer=tier, gradients=tier, activations=tier)
-    c = zinfjax.Config(nvme_path=str(tmp_path / tier), **tiers, **config)
+    c = zinfjax.Config(nvme_path=str(tmp_path / tier), **tiers, **{"stream_tiles": "always", **config})
     with zinfjax.wrap(state, c, loss_fn=make_loss(model)) as wrapped:
         losses = [wrapped.train_step(b)[1]["loss"] for b in data]
         groups = {g.name: g.length for g in wrapped.engine.program.streamed_groups()}
@@ -142,7 +142,8 @@ def test_tiled_mlp_layers_of_linen_stream_tile_by_tile_through_wrap(tmp_path):
     data = [jnp.asarray(rng.integers(0, 64, (8, 17)), jnp.int32)] * STEPS
     ref_losses, ref_params = in_memory_loop(loss_fn, params, tx, data)
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    c = zinfjax.Config(nvme_path=str(tmp_path), params="nvme", optimizer="nvme", gradients="nvme", activations="nvme")
+    c = zinfjax.Config(nvme_path=str(tmp_path), params="nvme", optimizer="nvme", gradients="nvme", activations="nvme",
+                       stream_tiles="always")
     with zinfjax.wrap(state, c, loss_fn=loss_fn) as wrapped:
         losses = [wrapped.train_step(b)[1]["loss"] for b in data]
         groups = {g.name: g.length for g in wrapped.engine.program.streamed_groups()}
@@ -200,7 +201,8 @@ def test_nnx_blocks_with_a_tiled_mlp_stream_tile_by_tile_through_wrap(tmp_path):
     rng = np.random.default_rng(2)
     data = [jnp.asarray(rng.integers(0, 64, (8, 17)), jnp.int32)] * STEPS
     ref_losses, ref_params = in_memory_loop(pure_loss, pure, tx, data)
-    c = zinfjax.Config(nvme_path=str(tmp_path), params="nvme", optimizer="nvme", gradients="nvme", activations="nvme")
+    c = zinfjax.Config(nvme_path=str(tmp_path), params="nvme", optimizer="nvme", gradients="nvme", activations="nvme",
+                       stream_tiles="always")
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     with zinfjax.wrap(optimizer, c, model=model, loss_fn=nnx_loss) as wrapped:
         losses = [wrapped.train_step(b)[1]["loss"] for b in data]

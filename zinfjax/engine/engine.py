@@ -12,6 +12,7 @@ gradients inside their jitted bodies, and each update runs on the optimizer stat
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -25,7 +26,7 @@ from zinfjax.config import Config
 from zinfjax.engine import crash_marker, reuse
 from zinfjax.engine._step import Step
 from zinfjax.engine._step_io import StepIO
-from zinfjax.engine.budget import LIVE_BASE, NVME_MMAP_THRESHOLD, memory_capped
+from zinfjax.engine.budget import LIVE_BASE, NVME_MMAP_THRESHOLD, MemoryBudgetError, memory_capped
 from zinfjax.engine.compile_cache import Compiled, compiled
 from zinfjax.engine.engine_plan import EnginePlan, PlanInputs, plan_engine, update_location
 from zinfjax.engine.loss_scale import LossScale
@@ -83,6 +84,31 @@ def prepare(program: Program, tx, config: Config, mesh: Mesh, tp_rules: tuple = 
                                      spools, on_host))
     return Prepared(compute_dtype, rules, platform, update_on, host_kind, fallback, layout, spools, specs, acts,
                     residuals, planned)
+
+
+def streamed_program(make: Callable[[bool], Program], tx, config: Config, mesh: Mesh, tp_rules: tuple = ()) -> Program:
+    """The program an engine streams: ``make(nest_tiles)`` (`zinfjax.program.split.program_for`), its tile scans cut
+    again (`zinfjax.program.nested`) only where the layer must be streamed tile by tile.
+
+    Streaming a layer tile by tile reads, writes and updates it in ``tiles`` times as many operations, each with
+    its own dispatch, files and checksums (docs/engine.md, "Tiles"). So with ``stream_tiles=auto`` a layer whose
+    body scans over tiles is streamed whole, its tiles computed in turn inside the layer's operation, whenever
+    the memory budget holds that operation (`prepare` accepts it), and tile by tile only when it does not;
+    ``stream_tiles=always`` streams it tile by tile regardless. A program without tile scans is the same either way.
+
+    Example:
+        >>> make = lambda nest: program_for(loss_fn, params_like, batch_like, nest_tiles=nest)
+        >>> program = streamed_program(make, tx, Config(memory_limit="1GiB"), mesh)
+    """
+    nested = make(True)
+    if config.stream_tiles == "always" or all(stage.body is None for stage in nested.scans()):
+        return nested
+    whole = make(False)
+    try:
+        prepare(whole, tx, config, mesh, tp_rules)
+    except MemoryBudgetError:
+        return nested
+    return whole
 
 
 def _check_micro_batch(program: Program, mesh: Mesh) -> None:

@@ -22,7 +22,7 @@ from zinfjax import models
 from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.checkpoint.model import checkpoint_model
 from zinfjax.config import Config
-from zinfjax.data import Batches, check_vocab, load_tokens
+from zinfjax.data import Batches, model_tokens
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.errors import ConfigError
 from zinfjax.inference.generate import abstract_params
@@ -33,15 +33,16 @@ def evaluate(source: str, data: str, config: Config, batches: int = 8, model=Non
     """Mean token loss and perplexity over ``batches`` batches of ``config.batch_size`` x ``config.seq_len``.
 
     ``source`` is a zinfjax checkpoint (or a parameter tree, with ``model``); ``data`` a token
-    source as `zinfjax.data.load_tokens` reads it (``demo``, a text file, a ``.bin`` file).
+    source as `zinfjax.data.model_tokens` reads it (``demo``, text, a ``.bin`` file), text tokenized by the
+    checkpoint's tokenizer (``config.tokenizer``, else the one kept beside it).
     """
     if isinstance(source, str):
         _, model = checkpoint_model(source)
         params = ParamStores.from_checkpoint(source, abstract_params(model), config)
     else:
         params = ParamStores.from_tree(source, config)
-    tokens = load_tokens(data)
-    check_vocab(tokens, model.vocab_size, data)
+    tokens, _ = model_tokens(data, source if isinstance(source, str) else "", model.vocab_size, config.tokenizer,
+                             config.data_field)
     if config.seq_len > model.max_seq_len:
         raise ConfigError(f"seq_len={config.seq_len} exceeds the model's context of {model.max_seq_len}")
     layers = models.build(model, COMPUTE_DTYPES[config.precision]).layers()

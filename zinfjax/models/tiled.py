@@ -53,6 +53,11 @@ _SPREADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # `spread_mod
 _SPREADS[default_kernel_init] = np.array([0.0, 1.0, 0.0, 0.0])  # lecun_normal: 1 / variance = fan_in
 
 # `fan_scale` probes an initializer on these small shapes: the spread of its values as a function of the fans.
+# Where XLA compiles the scan over tiles whole (a layer the engine streams whole, or the plain in-memory loop),
+# it is unrolled: a rolled loop slices each tile's weights out and stacks their gradients back, which made a tiled
+# gpt2-small layer's backward 1.2x the untiled one on the CPU, unrolled 0.9x (docs/BENCHMARKS.md, "Tiles where they
+# are not needed"). The engine's tile-by-tile streaming cuts the scan into its iterations either way.
+UNROLL = True
 PROBE_SHAPES = ((2, 2), (2, 4), (4, 2), (4, 4))  # few: the first use of each shape compiles JAX's random ops
 PROBE_VALUES = 4  # the values compared: the first 4 of each probe, drawn from the same random bits
 # The terms of 1 / variance tried (columns of `_fan_basis`): shape-free, then variance_scaling's modes fan_in,
@@ -291,7 +296,7 @@ class TiledDense(nn.Module):
                  check_splits(self.features, self.out_splits, "out_splits"))
         dtype = compute_dtype(x, self.param_dtype, self.dtype)
         scan = nn.scan(_DenseTiles, variable_axes={"params": 0}, split_rngs={"params": True},
-                       in_axes=(0, nn.broadcast), length=count)
+                       in_axes=(0, nn.broadcast), length=count, unroll=UNROLL)
         tiles = scan(shape, self.out_splits, whole_layer_init(self.kernel_init, (n_in, self.features)),
                      self.param_dtype, self.dot_general, name="tiles")
         acc = jnp.zeros((*x.shape[:-1], self.features), dtype)
@@ -348,7 +353,7 @@ class TiledMLP(nn.Module):
         inits = (whole_layer_init(self.kernel_init, (d, self.d_ff)),
                  whole_layer_init(self.kernel_init, (self.d_ff, d)), self.bias_init)
         scan = nn.scan(_MLPTiles, variable_axes={"params": 0}, split_rngs={"params": True},
-                       in_axes=nn.broadcast, length=self.tiles)
+                       in_axes=nn.broadcast, length=self.tiles, unroll=UNROLL)
         tiles = scan(d, width, self.activation, self.use_bias, self.param_dtype, inits, self.dot_general,
                      name="tiles")
         acc, _ = tiles(jnp.zeros((*x.shape[:-1], d), dtype), x.astype(dtype))

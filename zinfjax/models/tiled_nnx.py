@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zinfjax.models.tiled import (
+    UNROLL,
     Initializer,
     add_bias,
     check_splits,
@@ -86,7 +87,7 @@ class TiledDense(nnx.Module):
         dtype = compute_dtype(x, self.param_dtype, self.dtype)
         out_splits, dot_general = self.out_splits, self.dot_general
 
-        @nnx.scan(in_axes=(0, nnx.Carry, 0, None), out_axes=nnx.Carry)
+        @nnx.scan(in_axes=(0, nnx.Carry, 0, None), out_axes=nnx.Carry, unroll=UNROLL)
         def run(tile: _DenseTile, acc: jax.Array, t: jax.Array, x: jax.Array) -> jax.Array:
             return dense_tile(acc, x, tile.kernel[...], t, out_splits, dot_general)
 
@@ -130,7 +131,7 @@ class TiledMLP(nnx.Module):
         dtype = compute_dtype(x, self.param_dtype, self.dtype)
         activation, dot_general = self.activation, self.dot_general
 
-        @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry)
+        @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry, unroll=UNROLL)
         def run(tile: _MLPTile, acc: jax.Array, x: jax.Array) -> jax.Array:
             b_in = None if tile.b_in is None else tile.b_in[...]
             return mlp_tile(acc, x, tile.w_in[...], b_in, tile.w_out[...], activation, dot_general)

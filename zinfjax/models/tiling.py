@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zinfjax.models import products
+from zinfjax.models.tiled import UNROLL
 
 
 class DenseWeights(nn.Module):
@@ -83,7 +84,8 @@ def tiled_sum(fn: Callable, x: jax.Array, tiles: tuple, dtype: Any) -> jax.Array
     def body(acc, tile):
         return acc + fn(x, *tile).astype(jnp.float32), None
 
-    acc, _ = jax.lax.scan(body, jnp.zeros((*x.shape[:-1], _out_width(fn, x, tiles)), jnp.float32), tiles)
+    acc, _ = jax.lax.scan(body, jnp.zeros((*x.shape[:-1], _out_width(fn, x, tiles)), jnp.float32), tiles,
+                          unroll=UNROLL)
     return acc.astype(dtype)
 
 

@@ -51,8 +51,9 @@ from zinfjax.program.ir import (  # noqa: F401 - the program's parts, where they
 from zinfjax.program.nested import nest
 
 
-def split(loss_fn, params_like, batch_like, with_rng: bool = False) -> Program:
-    """Traces ``loss_fn(params, batch[, rng])`` on one micro-batch and cuts it at its streamed scans.
+def split(loss_fn, params_like, batch_like, with_rng: bool = False, nest_tiles: bool = True) -> Program:
+    """Traces ``loss_fn(params, batch[, rng])`` on one micro-batch and cuts it at its streamed scans, and (with
+    ``nest_tiles``) each streamed scan whose body scans over tiles again at its tile scans (`nest`).
 
     Raises:
         ProgramError: no scan takes the parameters, the loss is not a scalar, or a parameter is
@@ -78,7 +79,7 @@ def split(loss_fn, params_like, batch_like, with_rng: bool = False) -> Program:
         batch_like=b_leaves)
     program.leaves = [dataclasses.replace(leaf, keys=plain_keys(p)) for leaf, (p, _) in zip(program.leaves, p_leaves,
                                                                                               strict=True)]
-    return nest(program, _Splitter)
+    return nest(program, _Splitter) if nest_tiles else program
 
 
 def plain_keys(path) -> tuple:
@@ -106,18 +107,18 @@ def plain_keys(path) -> tuple:
 _PROGRAMS: dict = {}
 
 
-def program_for(loss_fn, params_like, batch_like, with_rng: bool = False) -> Program:
+def program_for(loss_fn, params_like, batch_like, with_rng: bool = False, nest_tiles: bool = True) -> Program:
     """`split`, cached by the loss function and the abstract inputs, so engines of one model share compiles.
 
     Example:
         >>> program_for(loss, params_like, batch_like) is program_for(loss, params_like, batch_like)
         True
     """
-    key = (loss_fn, _signature(params_like), _signature(batch_like), with_rng)
+    key = (loss_fn, _signature(params_like), _signature(batch_like), with_rng, nest_tiles)
     if key not in _PROGRAMS:
         if len(_PROGRAMS) >= 32:
             _PROGRAMS.pop(next(iter(_PROGRAMS)))
-        _PROGRAMS[key] = split(loss_fn, params_like, batch_like, with_rng)
+        _PROGRAMS[key] = split(loss_fn, params_like, batch_like, with_rng, nest_tiles)
     return _PROGRAMS[key]
 
 

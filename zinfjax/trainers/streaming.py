@@ -16,20 +16,24 @@ from zinfjax.config import Config
 from zinfjax.data import Batches
 from zinfjax.engine import Engine, Source, update_plan
 from zinfjax.engine.budget import MemoryBudgetError
-from zinfjax.engine.engine import prepare
+from zinfjax.engine.engine import prepare, streamed_program
 from zinfjax.models.configs import ModelConfig
 from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.program import InitSource, program_for
 from zinfjax.trainers.optimizers import make_optimizer
 
 
-def lm_program(model, config: Config, tx):
-    """The program (and update plan) of a reference language model on ``(batch_size, seq_len + 1)`` tokens."""
+def lm_program(model, config: Config, tx, mesh=None):
+    """The program (and update plan) of a reference language model on ``(batch_size, seq_len + 1)`` tokens, as the
+    engine streams it on ``mesh`` (`zinfjax.engine.engine.streamed_program`); without a mesh, tile by tile."""
     batch = jax.ShapeDtypeStruct((config.batch_size // config.grad_accum, config.seq_len + 1), jnp.int32)
     compute = COMPUTE_DTYPES[config.precision]
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute),
                         jax.eval_shape(lm_init(model), jax.random.key(0)))
-    program = program_for(lm_loss(model), like, batch)
+    def make(nest: bool):
+        return program_for(lm_loss(model), like, batch, nest_tiles=nest)
+
+    program = make(True) if mesh is None else streamed_program(make, tx, config, mesh, model.partition_rules)
     return program, update_plan(tx, program)
 
 
@@ -72,7 +76,7 @@ def fits(model_config: ModelConfig, config: Config, mesh, tx=None) -> None:
     memory budget; opens nothing."""
     tx = tx or make_optimizer(config)
     model = models.build(model_config, COMPUTE_DTYPES[config.precision])
-    program, _ = lm_program(model, config, tx)
+    program, _ = lm_program(model, config, tx, mesh)
     prepare(program, tx, config, mesh, model.partition_rules)
 
 
@@ -86,7 +90,7 @@ def lm_engine(model, config: Config, mesh, source=None, tx=None) -> Engine:
         >>> engine = lm_engine(models.build("gpt2-tiny"), Config(params="nvme", nvme_path="/nv"), mesh)
     """
     tx = tx or make_optimizer(config)
-    program, plan = lm_program(model, config, tx)
+    program, plan = lm_program(model, config, tx, mesh)
     if source is None:
         source = InitSource(program, lm_init(model), jax.random.key(config.seed))
     elif not isinstance(source, Source):  # a callable that makes one

@@ -27,7 +27,7 @@ from zinfjax.checkpoint import CheckpointManager, CheckpointSaveError
 from zinfjax.checkpoint.model import resolve_model
 from zinfjax.checkpoint.resume import choose_start
 from zinfjax.config import Config
-from zinfjax.data import Batches, check_vocab, load_tokens
+from zinfjax.data import Batches, model_tokens
 from zinfjax.engine.trace import Tracer
 from zinfjax.errors import ConfigError, UserError
 from zinfjax.runtime import allocator, rss
@@ -51,16 +51,17 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     started = time.perf_counter()
     initialize_from_env()
     main = is_main_process()
-    config, model_config, batches, start = _prepare(config, main)
+    config, model_config, batches, start = _prepare(config, main, progress)
     model, trainer = build_trainer(config.replace(nvme_path=process_nvme_path(config.nvme_path)))
     tracer = _attach_tracer(trainer, trace if main else None)
     log = {"config": config.to_dict(), "processes": jax.process_count(), "devices": jax.device_count(),
            "init_s": time.perf_counter() - started, "init_peak_rss_bytes": rss.peak_bytes(),
-           "malloc_huge_pages": allocator.huge_pages(), "steps": []}
+           "malloc_huge_pages": allocator.huge_pages(), "data": batches.facts, "steps": []}
     first = _start(trainer, batches, log, main)
     if config.warmup_steps > config.steps and main:
         print(f"zinfjax: warning: warmup_steps={config.warmup_steps} is longer than the run (steps={config.steps}): "
               "the learning rate never reaches lr", file=sys.stderr)
+    log["tiles"] = model.config.tiles  # the tiles each block's MLP and attention ran in (tiles=auto decides)
     if trainer.engine is not None:
         log.update(engine_facts(trainer.engine))
     saver = Saver(config, model.config, trainer, start.run_id, first - 1) if config.save_dir else None
@@ -81,7 +82,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     return log
 
 
-def _prepare(config: Config, main: bool):
+def _prepare(config: Config, main: bool, progress: bool = False):
     """The run's config (micro-batch, tiers=auto and resume decided), model, batches and start, each checked
     before anything is built."""
     config = config.with_batch_for(make_mesh(config.mesh_axes()).shape["data"])  # DeepSpeed's micro-batch
@@ -90,9 +91,11 @@ def _prepare(config: Config, main: bool):
     if config.log and main:
         check_writable_file(config.log, "log")
     model_config = resolve_model(config.model)
-    tokens = load_tokens(config.data)
-    check_vocab(tokens, model_config.vocab_size, config.data)
+    tokens, tokenizer = model_tokens(config.data, config.model, model_config.vocab_size, config.tokenizer,
+                                     config.data_field, progress=progress and main)
     batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
+    # What the model is fed: the tokenizer, and the memory-mapped token file (zinfjax.data.corpus) if there is one.
+    batches.facts = {"tokenizer": tokenizer, "tokens": len(tokens), "token_file": getattr(tokens, "filename", None)}
     start = choose_start(config, model_config)
     if start.notes and main:
         print("zinfjax: " + "; ".join(start.notes), file=sys.stderr)
@@ -103,7 +106,7 @@ def engine_facts(engine) -> dict:
     """What the log records of the engine's choices: its budget, parts, update place, residuals, reuse."""
     facts = {
         "budget": dataclasses.asdict(engine.budget),
-        "tiles": engine.tiles,  # the tiles each block's MLP and attention ran in (tiles=auto decides)
+        "streamed_tiles": engine.tiles,  # the tiles a layer was streamed in (stream_tiles=auto decides); 1: whole
         "largest_operation_bytes": engine.largest_operation_bytes,  # what the largest operation reads
         "update_parts": {g: len(p) for g, p in engine.parts.items()},  # layers updated in parts
         "update_on": engine.update_on,  # where the optimizer update ran (update_on=auto decides)
