@@ -56,6 +56,9 @@ class Config:
     sub_group_size: int | None = None  # parameters per update part; None: parts only when memory needs them
     tiles: str = "auto"  # a block's MLP and attention in this many tiles (models/tiling.py); auto: the fewest that fit
     stream_tiles: str = "auto"  # stream a tiled layer tile by tile: always, or auto (only when the layer does not fit)
+    lora_rank: int = 0  # LoRA adapters of this rank on lora_targets, the base frozen (models/lora.py); 0: none
+    lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank
+    lora_targets: str = "q,v"  # comma-separated: any of q, k, v, o, up, gate, down
     update_on: str = "auto"  # where the optimizer update runs: device, host, or auto (engine.update_location)
     recompute: str = "auto"  # rerun each layer's forward in its backward: always, never or auto (docs/engine.md)
     max_reuse_distance: int | None = None  # keep parameters for the backward; unset: what fits (engine/reuse.py)
@@ -311,6 +314,8 @@ def _validate(c: Config) -> None:
     _check(c.tiles == "auto" or (c.tiles.isdigit() and int(c.tiles) >= 1),
            f"tiles={c.tiles!r} is not allowed; use auto (the fewest tiles whose largest operation fits memory) or a "
            "positive count that divides the model's d_ff and heads")
+    _check(c.lora_rank >= 0, f"lora_rank={c.lora_rank} must be 0 (no adapters) or a positive rank")
+    _check(math.isfinite(c.lora_alpha) and c.lora_alpha > 0, f"lora_alpha={c.lora_alpha} must be a positive number")
     _check(c.stream_tiles in STREAM_TILES,
            f"stream_tiles={c.stream_tiles!r} is not allowed; use {', '.join(STREAM_TILES)}")
     for key in ("host_buffer_bytes", "memory_limit", "sub_group_size"):
@@ -371,6 +376,11 @@ KEY_DOCS = {
     "stream_tiles": "how a layer whose blocks scan over tiles is streamed: auto (default) reads, writes and updates "
                     "it a whole layer at a time, its tiles computed in turn, whenever the memory budget holds the "
                     "layer, and tile by tile only when it does not; always streams it tile by tile",
+    "lora_rank": "train LoRA adapters of this rank beside the lora_targets projections of every block, the base "
+                 "model frozen (its update is zero); 0 (default): train every parameter",
+    "lora_alpha": "the LoRA adapters' scale is lora_alpha / lora_rank (PEFT's lora_alpha); default 16",
+    "lora_targets": "the projections that get adapters, comma-separated: any of q, k, v, o, up, gate, down "
+                    "(gpt2 has no gate); default q,v",
     "update_on": "where the optimizer update runs: device, host (the host CPU, beside the optimizer state on host "
                  "or nvme: only gradients go down and the compute copy comes up) or auto (host when the optimizer "
                  "state is off an accelerator, device on the CPU backend)",

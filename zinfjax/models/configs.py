@@ -10,6 +10,7 @@ import numpy as np
 
 from zinfjax._util.mapping_files import read_mapping
 from zinfjax.errors import ConfigError
+from zinfjax.models.lora import check_targets
 from zinfjax.models.vocab import vocab_chunks
 
 ARCH_NAMES = ("gpt2", "llama", "bert")
@@ -38,6 +39,9 @@ class ModelConfig:
     type_vocab_size: int = 2  # bert: token types (segments)
     vocab_chunks: int = 0  # row chunks the vocabulary table streams in; 0: about 8 MiB each (models/vocab.py)
     tiles: int = 1  # a block's MLP and attention run over this many tiles (models/tiling.py); the params are the same
+    lora_rank: int = 0  # LoRA adapters of this rank beside the targeted projections (models/lora.py); 0: none
+    lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank
+    lora_targets: tuple[str, ...] = ("q", "v")  # any of models/lora.py's TARGETS
 
     @property
     def head_dim(self) -> int:
@@ -98,6 +102,9 @@ class ModelConfig:
             raise ConfigError(f"{where}: {e}") from e
 
     def __post_init__(self):
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))  # a list, from a checkpoint's JSON
+        if self.lora_rank:
+            check_lora(self)
         if self.tiles != 1 and self.arch == "bert":
             raise ConfigError(f"tiles={self.tiles}: BERT's blocks are not tiled; use tiles=1")
         if self.tiles != 1:
@@ -105,6 +112,16 @@ class ModelConfig:
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_lora(c: ModelConfig) -> None:
+    """LoRA settings the model can take: a positive rank, targets it has, and an untiled block."""
+    if c.lora_rank < 0:
+        raise ConfigError(f"lora_rank={c.lora_rank} must be 0 (no adapters) or a positive rank")
+    check_targets(c.arch, c.lora_targets)
+    if c.tiles != 1:
+        raise ConfigError(f"lora_rank={c.lora_rank} with tiles={c.tiles}: LoRA adapters run in untiled blocks; "
+                          "set tiles=1")
 
 
 def check_tiles(tiles: int, dims: dict[str, int]) -> None:

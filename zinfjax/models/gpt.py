@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from zinfjax.models import products
 from zinfjax.models.attention import cached_attention, causal_attention
 from zinfjax.models.configs import ModelConfig
+from zinfjax.models.lora import adapted
 from zinfjax.models.stacked import StackedLM
 from zinfjax.models.tiling import DenseWeights, add_bias, contract, tile_view, tiled_sum
 from zinfjax.models.vocab import VocabTable, cross_entropy, lookup
@@ -65,15 +66,17 @@ class Block(nn.Module):
         norm = partial(nn.LayerNorm, epsilon=c.norm_eps, dtype=self.dtype)
         x = norm(name="ln_1")(h)
         heads = (c.n_heads, c.head_dim)
-        q, k, v = (dense(heads, name=n)(x) for n in ("q", "k", "v"))
+        q, k, v = (adapted(c, n, dense(heads, name=n)(x), x, heads, dtype=self.dtype) for n in ("q", "k", "v"))
         if cache is None:
             a = causal_attention(q, k, v)
         else:
             a, cache = cached_attention(q, k, v, cache, pos)
-        h = h + dense(c.d_model, axis=(-2, -1), kernel_init=out_init, name="attn_out")(a)
+        out = dense(c.d_model, axis=(-2, -1), kernel_init=out_init, name="attn_out")(a)
+        h = h + adapted(c, "o", out, a, c.d_model, in_axes=2, dtype=self.dtype)
         x = norm(name="ln_2")(h)
-        x = nn.gelu(dense(c.d_ff, name="fc")(x), approximate=True)
-        h = h + dense(c.d_model, kernel_init=out_init, name="proj")(x)
+        x = nn.gelu(adapted(c, "up", dense(c.d_ff, name="fc")(x), x, c.d_ff, dtype=self.dtype), approximate=True)
+        h = h + adapted(c, "down", dense(c.d_model, kernel_init=out_init, name="proj")(x), x, c.d_model,
+                        dtype=self.dtype)
         return h, cache
 
     def _tiled(self, h: jax.Array) -> jax.Array:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from zinfjax.models import products
 from zinfjax.models.attention import cached_attention, causal_attention
 from zinfjax.models.configs import ModelConfig
+from zinfjax.models.lora import adapted
 from zinfjax.models.stacked import StackedLM
 from zinfjax.models.tiling import DenseWeights, contract, tile_view, tiled_sum
 from zinfjax.models.vocab import VocabTable, cross_entropy, lookup
@@ -67,17 +68,19 @@ class Block(nn.Module):
         norm = partial(nn.RMSNorm, epsilon=c.norm_eps, dtype=self.dtype)
         x = norm(name="attn_norm")(h)
         offset = 0 if cache is None else pos
-        q = rotary(dense((c.n_heads, c.head_dim), name="q")(x), c.rope_theta, offset)
-        k = rotary(dense((c.kv_heads, c.head_dim), name="k")(x), c.rope_theta, offset)
-        v = dense((c.kv_heads, c.head_dim), name="v")(x)
+        qh, kvh, dt = (c.n_heads, c.head_dim), (c.kv_heads, c.head_dim), self.dtype
+        q = rotary(adapted(c, "q", dense(qh, name="q")(x), x, qh, dtype=dt), c.rope_theta, offset)
+        k = rotary(adapted(c, "k", dense(kvh, name="k")(x), x, kvh, dtype=dt), c.rope_theta, offset)
+        v = adapted(c, "v", dense(kvh, name="v")(x), x, kvh, dtype=dt)
         if cache is None:
             a = causal_attention(q, k, v)
         else:
             a, cache = cached_attention(q, k, v, cache, pos)
-        h = h + dense(c.d_model, axis=(-2, -1), name="attn_out")(a)
+        h = h + adapted(c, "o", dense(c.d_model, axis=(-2, -1), name="attn_out")(a), a, c.d_model, 2, dt)
         x = norm(name="mlp_norm")(h)
-        x = nn.silu(dense(c.d_ff, name="gate")(x)) * dense(c.d_ff, name="up")(x)
-        return h + dense(c.d_model, name="down")(x), cache
+        gate = adapted(c, "gate", dense(c.d_ff, name="gate")(x), x, c.d_ff, dtype=dt)
+        x = nn.silu(gate) * adapted(c, "up", dense(c.d_ff, name="up")(x), x, c.d_ff, dtype=dt)
+        return h + adapted(c, "down", dense(c.d_model, name="down")(x), x, c.d_model, dtype=dt), cache
 
     def _tiled(self, h: jax.Array) -> jax.Array:
         """The block with its attention over ``tiles`` groups of query and key-value heads and its MLP over

@@ -22,12 +22,16 @@ def build_trainer(config: Config):
     model_config = resolve_model(config.model)
     if config.tiles != "auto":
         model_config = model_config.replace(tiles=int(config.tiles))
+    if config.lora_rank:  # adapters run in untiled blocks (models/lora.py)
+        model_config = model_config.replace(
+            tiles=1 if config.tiles == "auto" else model_config.tiles, lora_rank=config.lora_rank,
+            lora_alpha=config.lora_alpha, lora_targets=tuple(t.strip() for t in config.lora_targets.split(",") if t))
     mesh = make_mesh(config.mesh_axes())
     check_batch(config.batch_size, mesh, config.grad_accum)
     if config.seq_len > model_config.max_seq_len:
         raise ConfigError(f"seq_len={config.seq_len} exceeds the model's context of {model_config.max_seq_len}")
     engine = uses_engine(config)
-    if engine and config.tiles == "auto":
+    if engine and config.tiles == "auto" and not config.lora_rank:
         model_config = choose_tiles(model_config, config, mesh)
     model = models.build(model_config, COMPUTE_DTYPES[config.precision])
     return model, (EngineTrainer if engine else ReferenceTrainer)(config, model, mesh)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from zinfjax.config import Config
+from zinfjax.models import lora
 
 
 def make_schedule(config: Config):
@@ -43,7 +44,8 @@ def make_schedule(config: Config):
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
-    """The optax transformation a config asks for, global-norm clipping first when ``grad_clip > 0``.
+    """The optax transformation a config asks for, global-norm clipping first when ``grad_clip > 0``; with
+    ``lora_rank``, on the LoRA adapters alone (`zinfjax.models.lora.masked`), the clipping norm theirs.
 
     zinfjax runs every one of them exactly, one layer at a time (docs/engine.md, "Optimizers").
     """
@@ -59,5 +61,5 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
         "adafactor": lambda: optax.adafactor(lr, weight_decay_rate=wd or None),
     }[config.optimizer_name]()
     if config.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(config.grad_clip), base)
-    return base
+        base = optax.chain(optax.clip_by_global_norm(config.grad_clip), base)
+    return lora.masked(base) if config.lora_rank else base  # LoRA: the adapters train, the base has no update

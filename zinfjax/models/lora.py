@@ -1,0 +1,105 @@
+"""LoRA adapters for the reference models: ``W x + (alpha / r) B A x`` beside a projection, the base frozen.
+
+A block's targeted projections (``lora_targets``: any of q, k, v, o, up, gate, down) each get an
+adapter of rank ``r`` (`ModelConfig.lora_rank`) under ``<projection>_lora``: ``a`` ``(in..., r)``,
+initialised as PEFT initialises ``lora_A`` (Kaiming-uniform, bound ``1 / sqrt(in)``), and ``b``
+``(r, out...)``, zeros, so a fresh adapter leaves the model as it was. The adapters are parameters of
+the block, stacked per layer like the rest, so they stream with their layer. The optimizer trains
+them alone: `trainable` labels every other leaf frozen, and `masked` gives those no update
+(``optax.set_to_zero``).
+
+Example:
+    >>> c = ModelConfig.named("llama-tiny").replace(lora_rank=4, lora_targets=("q", "v"))
+    >>> params = models.build(c).init(jax.random.key(0), tokens)["params"]        # doctest: +SKIP
+    >>> jax.tree.map(jnp.shape, params["blocks"]["q_lora"])                        # doctest: +SKIP
+    {'a': (2, 64, 4), 'b': (2, 4, 4, 16)}
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from zinfjax.errors import ConfigError
+
+TARGETS = ("q", "k", "v", "o", "up", "gate", "down")
+SUFFIX = "_lora"
+# zinfjax's module name of each target, per architecture.
+MODULES = {
+    "gpt2": {"q": "q", "k": "k", "v": "v", "o": "attn_out", "up": "fc", "down": "proj"},
+    "llama": {"q": "q", "k": "k", "v": "v", "o": "attn_out", "gate": "gate", "up": "up", "down": "down"},
+}
+
+
+def check_targets(arch: str, targets: tuple[str, ...]) -> None:
+    """LoRA targets that name projections of ``arch``; the error lists the names there are.
+
+    Example:
+        >>> check_targets("gpt2", ("q", "gate"))
+        Traceback (most recent call last):
+        ...
+        zinfjax.errors.ConfigError: lora_targets=q,gate: gpt2 has no gate; its projections are q, k, v, o, up, down
+    """
+    names = MODULES.get(arch)
+    if names is None:
+        raise ConfigError(f"LoRA adapts the gpt2 and llama models; {arch} has none")
+    bad = [t for t in targets if t not in names]
+    if bad or not targets:
+        missing = ", ".join(bad) if bad else "nothing"
+        raise ConfigError(f"lora_targets={','.join(targets)}: {arch} has no {missing}; its projections are "
+                          f"{', '.join(names)}")
+
+
+def _a_init(n_in: int):
+    bound = 1.0 / math.sqrt(n_in)  # PEFT: kaiming_uniform_(lora_A.weight, a=sqrt(5)) on (r, in)
+    return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class LoRA(nn.Module):
+    """The adapter of one projection: ``(alpha / rank) * (x A) B`` over ``x``'s last ``in_axes`` axes."""
+
+    features: tuple[int, ...]
+    rank: int
+    alpha: float
+    in_axes: int = 1
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        in_shape = x.shape[-self.in_axes:]
+        a = self.param("a", _a_init(math.prod(in_shape)), (*in_shape, self.rank))
+        b = self.param("b", nn.initializers.zeros_init(), (self.rank, *self.features))
+        dims = ((tuple(range(x.ndim - self.in_axes, x.ndim)), tuple(range(self.in_axes))), ((), ()))
+        low = jax.lax.dot_general(x.astype(self.dtype), a.astype(self.dtype), dims)
+        out = jax.lax.dot_general(low, b.astype(self.dtype), (((low.ndim - 1,), (0,)), ((), ())))
+        return out * jnp.asarray(self.alpha / self.rank, self.dtype)
+
+
+def adapted(config, target: str, y: jax.Array, x: jax.Array, features, in_axes: int = 1, dtype=jnp.float32):
+    """``y``, the output of the projection ``target`` on ``x``, plus its adapter when ``config`` targets it."""
+    if not config.lora_rank or target not in config.lora_targets:
+        return y
+    name = MODULES[config.arch][target] + SUFFIX
+    features = tuple(features) if isinstance(features, tuple) else (features,)
+    return y + LoRA(features, config.lora_rank, config.lora_alpha, in_axes, dtype, name=name)(x).astype(y.dtype)
+
+
+def is_adapter(path) -> bool:
+    """Whether a parameter path (a jax key path, or its keys) is a LoRA adapter's."""
+    keys = [getattr(k, "key", getattr(k, "name", k)) for k in path]
+    return any(isinstance(k, str) and k.endswith(SUFFIX) for k in keys)
+
+
+def trainable(params) -> Any:
+    """``"train"`` for every adapter leaf of ``params``, ``"frozen"`` for every other."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: "train" if is_adapter(p) else "frozen", params)
+
+
+def masked(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` on the adapters, and no update at all for the frozen base (``optax.set_to_zero``)."""
+    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, trainable)
