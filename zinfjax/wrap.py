@@ -36,6 +36,7 @@ from zinfjax.errors import UserError
 from zinfjax.models.stacked import StackedLM, lm_init, lm_loss
 from zinfjax.program import InitSource, program_for
 from zinfjax.sharding import make_mesh
+from zinfjax.trainers.frozen import carried_state, freeze
 
 DOCS = "docs/models.md"
 
@@ -257,7 +258,7 @@ def _wrap_nnx(optimizer, config: Config, loss_fn, mesh, model, restore, batch, p
     else:
         pure_loss = _nnx_loss(loss_fn, graphdef, params_state, rest)
     step = int(optimizer.step[...])
-    opt_state = _pure(optimizer.opt_state)
+    tx, opt_state = _trained(optimizer, model, params, _pure(optimizer.opt_state))
 
     def source_for(program, plan):
         if restore is not None:
@@ -269,10 +270,23 @@ def _wrap_nnx(optimizer, config: Config, loss_fn, mesh, model, restore, batch, p
         state.replace_by_pure_dict(new_params)
         nnx.update(model, state)
 
-    build = _builder(pure_loss, params, optimizer.tx, config, mesh, partition_rules, source_for)
+    build = _builder(pure_loss, params, tx, config, mesh, partition_rules, source_for)
     engine = build(batch) if batch is not None else None
     return WrappedState(build, config, engine.step_count if engine is not None else step, on_sync=write_back,
                         engine=engine)
+
+
+def _trained(optimizer, model, params: dict, opt_state):
+    """The optimizer's transformation and state over every parameter: when its ``wrt`` filter selects some of the
+    model's parameters (``nnx.LoRAParam``), ``tx`` on those and no update for the rest (`zinfjax.trainers.frozen`)."""
+    wrt = getattr(optimizer, "wrt", nnx.Param)
+    chosen = {jax.tree_util.keystr(p) for p, _ in
+              jax.tree_util.tree_flatten_with_path(nnx.state(model, wrt).to_pure_dict())[0]}
+    every = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    if chosen == every:
+        return optimizer.tx, opt_state
+    tx = freeze(optimizer.tx, params, chosen.__contains__)
+    return tx, carried_state(tx, params, opt_state)
 
 
 _NNX_LOSSES: dict = {}

@@ -6,6 +6,8 @@ same frozen mask (``lora_rank`` makes `make_optimizer` an ``optax.multi_transfor
 adapters within whole-tree relative L2 1e-6, and every base leaf bitwise its initial value.
 """
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -31,11 +33,12 @@ def lora_model(name: str, targets: tuple[str, ...]):
 
 
 def split(params):
-    """``(adapters, base)``: the leaves of ``params`` as two flat ``{path: array}`` dicts."""
+    """``(adapters, base)``: the leaves of ``params`` as two flat ``{path: array}`` dicts (or shapes)."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     key = jax.tree_util.keystr
-    return ({key(p): np.asarray(x) for p, x in flat if is_adapter(p)},
-            {key(p): np.asarray(x) for p, x in flat if not is_adapter(p)})
+    value = lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else np.asarray(x)  # noqa: E731
+    return ({key(p): value(x) for p, x in flat if is_adapter(p)},
+            {key(p): value(x) for p, x in flat if not is_adapter(p)})
 
 
 def runs(c, model, steps: int):
@@ -113,3 +116,39 @@ def test_bad_lora_settings_are_refused_in_one_line():
         config(lora_rank=-1)
     with pytest.raises(ConfigError, match="LoRA adapts the gpt2 and llama models; bert has none"):
         ModelConfig("bert", 256, 64, 64, 2, 8, 256, lora_rank=4)
+
+
+def test_the_frozen_base_is_never_written(tmp_path):
+    """The base's chunk files are not touched by a step (same bytes, same modification time); the adapters'
+    are rewritten each step, and a step writes exactly the adapters: their values and Adam's m and v."""
+    nvme = dict(params="nvme", optimizer="nvme", gradients="nvme")  # activations in memory: no checkpoint writes
+    c = config(model="llama-tiny", lora_rank=4, lora_targets="q,v", nvme_path=str(tmp_path), mesh="data:1", **nvme)
+    model = models.build(ModelConfig.named("llama-tiny").replace(lora_rank=4, lora_targets=("q", "v")))
+    engine = lm_engine(model, c, make_mesh(c.mesh_axes()))
+    try:
+        before = chunk_files(tmp_path)
+        data = batches(c)
+        written = [engine.train_step(next(data))["write_bytes_nvme"] for _ in range(3)]
+        after = chunk_files(tmp_path)
+    finally:
+        engine.close()
+    base = {p for p in before if "_lora_" not in p}
+    adapters = set(before) - base
+    assert base and adapters and set(after) == set(before)
+    assert all(after[p] == before[p] for p in base)  # (mtime, bytes): never rewritten
+    assert all(after[p][0] != before[p][0] for p in adapters)
+    lora, _ = split(jax.eval_shape(lm_init(model), jax.random.key(0)))
+    assert written == [3 * sum(x.size * 4 for x in lora.values())] * 3  # fp32 values, m and v; nothing else
+
+
+def chunk_files(root) -> dict:
+    """``{path: (mtime_ns, bytes)}`` of every chunk file under ``root`` (the ``c/`` trees of its stores)."""
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        if f"{os.sep}c" not in dirpath:
+            continue
+        for n in names:
+            path = os.path.join(dirpath, n)
+            with open(path, "rb") as f:
+                out[path] = (os.stat(path).st_mtime_ns, f.read())
+    return out

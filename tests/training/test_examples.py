@@ -20,6 +20,7 @@ ARGS = {
     "train_nnx.py": None,
     "bert_mlm_linen.py": ["--steps", "2", "--batch-size", "2", "--nvme-path", "{tmp}/nvme"],
     "llama_nnx.py": ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--nvme-path", "{tmp}/nvme"],
+    "lora_nnx.py": ["--steps", "2", "--nvme-path", "{tmp}/nvme"],
     "vit_linen.py": ["--steps", "2", "--size", "tiny", "--batch-size", "2", "--nvme-path", "{tmp}/nvme"],
 }
 SLOW: set[str] = set()

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 import uuid
@@ -121,7 +122,7 @@ def check_resume(meta: dict, directory: str, config, model_config) -> str | None
 def _model_changes(saved: dict | None, model_config) -> list[str]:
     if not saved or model_config is None:
         return []
-    now = dataclasses.asdict(model_config)
+    now = json.loads(json.dumps(dataclasses.asdict(model_config)))  # as the checkpoint's JSON holds it: lists
     return [f"model.{k} {saved[k]!r} (this run: {now[k]!r})" for k in now if k in saved and saved[k] != now[k]]
 
 

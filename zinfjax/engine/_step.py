@@ -282,6 +282,9 @@ class Step:
     def _update_done(self, position: int) -> list[Op]:
         """The update of the whole groups whose gradient is complete once the scan at ``position`` ran its backward."""
         done = self._completed(position)
+        for g in [g for g in done if self.engine.update_plan.frozen_group(g.name)]:  # nothing to read or update
+            self.updates.discard(g.name)
+        done = [g for g in done if not self.engine.update_plan.frozen_group(g.name)]
         if not done:
             return []
         reads = [Read(track("params", g.name), self._store("params", g.name), 0) for g in done]
@@ -295,6 +298,8 @@ class Step:
         reading the copy too: when that read would cost a transfer (NVMe, or host memory on an accelerator)."""
         engine = self.engine
         if not engine.stores.master or engine.spools_gradients or engine.on_host or group in engine.parts:
+            return False
+        if engine.update_plan.frozen_group(group):  # a frozen group's update reads no master to cast from
             return False
         if (position, i) in engine.reuse:
             return False

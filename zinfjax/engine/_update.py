@@ -43,12 +43,13 @@ class Updates:
     def hold(self, group: str, i: int, params_tree: dict | None, grads: dict) -> None:
         """Unit ``i`` of ``group`` is updated in parts: its gradients ``{leaf: gradient}`` (and its compute copy,
         as the master when there is no other) wait for the parts' operations (`update_part`)."""
-        self._pending[(group, i)] = (params_tree, grads)
+        frozen = self.engine.update_plan.frozen  # a frozen leaf's gradient has no update to wait for
+        self._pending[(group, i)] = (params_tree, {k: g for k, g in grads.items() if k not in frozen})
 
     def reads(self, group: str, i: int, part: Part | None = None) -> list:
         """What a fused update of unit ``i`` (or of its leaves ``part``) needs beyond what the backward read:
         opt (and master)."""
-        if self.engine.spools_gradients:
+        if self.engine.spools_gradients or self.engine.update_plan.frozen_group(group):
             return []
         reads, kind = [], self._kind("optimizer")
         if self.engine.update_plan.part_state(group, part and part.leaves):
@@ -64,6 +65,11 @@ class Updates:
         the host (unless the state is on the device), else device memory."""
         on_device = getattr(self.engine.config, tier_key) == "device"
         return self.engine.host_kind if self.engine.on_host and not on_device else "device"
+
+    def discard(self, group: str) -> None:
+        """Forgets the gradients of the whole group ``group``, which is frozen (no update takes them)."""
+        for leaf in self.program.leaves_of(group):
+            self._whole_grads.pop(leaf.index, None)
 
     def update_whole(self, done, trees: dict, upd: list) -> None:
         """The updates of the whole groups ``done`` (their gradients complete), from their compute copies ``trees``
@@ -89,6 +95,8 @@ class Updates:
                     part: Part | None = None) -> None:
         """A unit's gradient is complete: update it (or its leaves ``part``) now (fused), or spool it for the sweeps."""
         engine = self.engine
+        if engine.update_plan.frozen_group(group):  # no update, no write: the group stays as its store holds it
+            return
         paths, state_paths = engine.units.paths(group, part and part.leaves)
         if engine.spools_gradients:
             spooled, finite = engine.units.spool(group)(grads)
@@ -183,7 +191,8 @@ class Updates:
         totals_vars = engine.update_plan.totals_before(sweep)
         done = combine_partials([c for c in engine.update_plan.crosses if c.phase < sweep], self._partials)
         totals = [done[v] for v in totals_vars]
-        units = [(g, i) for g in self.program.groups.values() for i in range(g.length)]
+        units = [(g, i) for g in self.program.groups.values() for i in range(g.length)
+                 if not engine.update_plan.frozen_group(g.name)]
         source = "master" if engine.stores.master else "params"
         groups = []
         for g, i in units:

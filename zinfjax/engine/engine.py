@@ -30,6 +30,7 @@ from zinfjax.engine.budget import LIVE_BASE, NVME_MMAP_THRESHOLD, MemoryBudgetEr
 from zinfjax.engine.compile_cache import Compiled, compiled
 from zinfjax.engine.engine_plan import EnginePlan, PlanInputs, plan_engine, update_location
 from zinfjax.engine.loss_scale import LossScale
+from zinfjax.engine.parts import fill_parts
 from zinfjax.engine.readahead import ReadAhead
 from zinfjax.engine.stores import build_stores, spools_gradients, store_specs, tied_groups
 from zinfjax.engine.telemetry import StepTelemetry
@@ -209,7 +210,7 @@ class Engine:
                 if given_state is not None:
                     order = [st.path for st in self.update_plan.state_of(g.name)]
                     given_state = dict(zip(order, given_state, strict=True))
-                for part in self.parts.get(g.name, [None]):
+                for part in fill_parts(self.program, self.update_plan, self.parts, g.name):
                     paths, state_paths = self.units.paths(g.name, part and part.leaves)
                     compute, master, state = self.units.init(g.name, self.units.size(g.name, i), part and part.leaves)(
                         [params.pop(p) for p in paths], self.units.start(g.name, i))

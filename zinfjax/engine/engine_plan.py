@@ -14,7 +14,7 @@ from zinfjax._util.byte_sizes import format_bytes
 from zinfjax.config import Config
 from zinfjax.engine import reuse
 from zinfjax.engine.budget import LIVE_BASE, Budget, MemoryBudgetError, fits_device, make_budget
-from zinfjax.engine.parts import update_parts
+from zinfjax.engine.parts import trainable_parts, update_parts
 from zinfjax.engine.stores import StoreSpec, budget_needs, slice_bytes
 from zinfjax.program.optimizer import UpdatePlan
 from zinfjax.program.split import Program
@@ -85,8 +85,9 @@ def plan_memory(inputs: PlanInputs) -> EnginePlan:
             plan, saves = _plan_recompute(inputs, *whole)
         except MemoryBudgetError:
             plan = None
-        if plan is not None and not plan.lean:
-            return EnginePlan({}, plan, whole, saves)
+        if plan is not None and not plan.lean:  # whole layers; a layer with frozen leaves updates its others alone
+            kept = trainable_parts(inputs.program, inputs.update_plan, inputs.spools_gradients)
+            return EnginePlan(kept, plan, whole, saves)
     needs = budget_needs(specs, acts, platform, parts)
     plan, saves = _plan_recompute(inputs, *needs)
     return EnginePlan(parts, plan, needs, saves)
@@ -154,7 +155,8 @@ def plan_handoff(inputs: PlanInputs, parts: dict) -> frozenset:
         return frozenset()
     program, costly = inputs.program, _reads_cost(inputs)
     kept = reuse.handed_over(program, _slice_sizes(inputs.specs), LIVE_BASE,
-                             lambda key: all(g in costly and g not in parts for g in _streamed(program, key[0])))
+                             lambda key: all(g in costly and g not in parts and not inputs.update_plan.frozen_group(g)
+                                             for g in _streamed(program, key[0])))
     return frozenset((g, c.key[1]) for c in kept for g in _streamed(program, c.key[0]))
 
 
@@ -183,7 +185,8 @@ def _reuse_saves_a_read(inputs: PlanInputs, parts: dict):
     def saves(key) -> bool:
         for group in _streamed(program, key[0]):
             owned = program.groups[group].position == key[0]
-            if group not in costly or (owned and casts and group in mixed and group not in parts):
+            frozen = inputs.update_plan.frozen_group(group)  # no update reads its master: no cast
+            if group not in costly or (owned and casts and group in mixed and group not in parts and not frozen):
                 return False
         return True
 

@@ -56,18 +56,45 @@ def update_parts(program, plan, specs: list[StoreSpec], spooled: bool,
     for g in program.streamed_groups():
         if len(g.leaves) < 2 or g.sub is not None or not plan.separable(g.name):  # tiles are cut already
             continue
+        trainable = [k for k in g.leaves if k not in plan.frozen]  # a frozen leaf is in no part: never updated
+        if not trainable:
+            continue
         if sub_group_size:
-            sizes = [(k, math.prod(program.leaves[k].slice_shape)) for k in g.leaves]
+            sizes = [(k, math.prod(program.leaves[k].slice_shape)) for k in trainable]
             target = sub_group_size
         else:
-            sizes = [(k, _update_bytes(program, plan, by_kind, g.name, k)) for k in g.leaves]
+            sizes = [(k, _update_bytes(program, plan, by_kind, g.name, k)) for k in trainable]
             target = max(sum(slice_bytes(by_kind[kind, g.name]) for kind in ("params", "grads")
                              if (kind, g.name) in by_kind),
                          max(n for _, n in sizes))
         parts = [_part(program, plan, g.name, leaves) for leaves in _pack(sizes, target)]
-        if len(parts) > 1:
+        if len(parts) > 1 or len(trainable) < len(g.leaves):
             out[g.name] = parts
     return out
+
+
+def trainable_parts(program, plan, spooled: bool) -> dict[str, list[Part]]:
+    """The streamed groups that hold frozen leaves (`UpdatePlan.frozen`) besides trainable ones, each updated as one
+    part of its trainable leaves: its frozen leaves are never updated nor written (where the update is fused)."""
+    if spooled:
+        return {}
+    out = {}
+    for g in program.streamed_groups():
+        trainable = tuple(k for k in g.leaves if k not in plan.frozen)
+        if 0 < len(trainable) < len(g.leaves) and g.sub is None and plan.separable(g.name):
+            out[g.name] = [_part(program, plan, g.name, trainable)]
+    return out
+
+
+def fill_parts(program, plan, parts: dict, group: str) -> list:
+    """What the initial fill of ``group`` writes, part by part: its update parts, and one more of the leaves in none
+    (frozen ones, `trainable_parts`); ``[None]``, the whole unit at once, for a group updated whole."""
+    cut = parts.get(group)
+    if not cut:
+        return [None]
+    covered = {k for p in cut for k in p.leaves}
+    rest = tuple(k for k in program.groups[group].leaves if k not in covered)
+    return cut + [_part(program, plan, group, rest)] if rest else cut
 
 
 def _part(program, plan, group: str, leaves: tuple[int, ...]) -> Part:

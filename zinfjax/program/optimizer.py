@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ import numpy as np
 import optax
 
 from zinfjax.program import jaxpr as jx
+from zinfjax.program.frozen import frozen_leaves
 from zinfjax.program.memo import instance_cache
 from zinfjax.program.slicing import (
     CALLS,
@@ -105,6 +107,15 @@ class UpdatePlan:
         update sees it with the layer and tile axes merged, `Leaf.opt_shape`)."""
         owner = self.program.leaves[s.param] if s.param is not None else None
         return owner.shape if owner is not None and owner.stream is not None and owner.stream.tiles else s.shape
+
+    @functools.cached_property
+    def frozen(self) -> frozenset[int]:
+        """The leaves whose update is zero by construction (`zinfjax.program.frozen`): never updated nor written."""
+        return frozen_leaves(self)
+
+    def frozen_group(self, group: str) -> bool:
+        """Whether every leaf of ``group`` is frozen: it has no update to run, nothing to write back."""
+        return all(k in self.frozen for k in self.program.groups[group].leaves)
 
     @property
     def globals(self) -> list[StateLeaf]:

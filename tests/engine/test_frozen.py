@@ -1,0 +1,114 @@
+"""A user's NNX model with Flax's own LoRA, its optimizer on ``nnx.LoRAParam`` alone, through `zinfjax.wrap`.
+
+The blocks (``nnx.vmap``-made, run by ``nnx.scan``) each hold an ``nnx.LoRALinear`` and an
+``nnx.LoRA`` around an ``nnx.Linear``. ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)`` trains the
+adapters; zinfjax runs ``tx`` on those and gives the base no update (`zinfjax.trainers.frozen`). Against
+the user's own NNX loop (``nnx.value_and_grad`` with ``nnx.DiffState(0, nnx.LoRAParam)`` and
+``optimizer.update``), on NVMe: losses within rtol 1e-6, the adapters within whole-tree relative L2 1e-6,
+the base bit for bit as it started.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zinfjax
+from tests.support.engine_helpers import relative_error
+from zinfjax.trainers.frozen import FrozenError
+
+LAYERS, D, VOCAB, STEPS = 3, 32, 64, 6
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(D, rngs=rngs)
+        self.up = nnx.LoRALinear(D, 2 * D, lora_rank=4, rngs=rngs)
+        self.down = nnx.LoRA(2 * D, 4, D, base_module=nnx.Linear(2 * D, D, rngs=rngs), rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.down(nnx.gelu(self.up(self.norm(h))))
+
+
+class LoRALM(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs):
+            return Block(rngs)
+
+        self.blocks = blocks(rngs)
+        self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def run(block, h):
+            return block(h)
+
+        return self.head(run(self.blocks, self.embed(tokens)))
+
+
+def loss_fn(model, batch):
+    logits = model(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def data():
+    rng = np.random.default_rng(3)
+    return [jax.numpy.asarray(rng.integers(0, VOCAB, (8, 17)), jax.numpy.int32) for _ in range(STEPS)]
+
+
+def own_loop(batches):
+    """The user's NNX loop: gradients of the LoRA params alone, ``optimizer.update``."""
+    model = LoRALM(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(step(model, optimizer, b)) for b in batches]
+    return losses, nnx.state(model, nnx.Param).to_pure_dict()
+
+
+def split(params) -> tuple[dict, dict]:
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    key = jax.tree_util.keystr
+    lora = {key(p): np.asarray(x) for p, x in flat if "lora" in key(p)}
+    return lora, {key(p): np.asarray(x) for p, x in flat if "lora" not in key(p)}
+
+
+def test_nnx_lora_params_train_and_the_base_stays_through_wrap(tmp_path):
+    batches = data()
+    ref_losses, ref = own_loop(batches)
+    model = LoRALM(nnx.Rngs(0))
+    start = nnx.state(model, nnx.Param).to_pure_dict()
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+    c = zinfjax.Config(nvme_path=str(tmp_path), params="nvme", optimizer="nvme", gradients="nvme",
+                       activations="nvme")
+    with zinfjax.wrap(optimizer, c, model=model, loss_fn=loss_fn) as wrapped:
+        losses = [float(wrapped.train_step(b)[1]["loss"]) for b in batches]
+        groups = {g.name: g.length for g in wrapped.engine.program.streamed_groups()}
+        ours = jax.tree.map(np.asarray, wrapped.sync())
+    assert LAYERS in groups.values()  # the blocks stream, adapters with their layer
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    (ref_a, ref_base), (our_a, our_base), (start_a, start_base) = split(ref), split(ours), split(start)
+    assert len(our_a) == 4 and relative_error(ref_a, our_a) < 1e-6
+    assert relative_error(start_a, our_a) > 1e-3  # the adapters did train
+    for path, x in start_base.items():
+        np.testing.assert_array_equal(our_base[path], x, err_msg=path)
+        np.testing.assert_array_equal(ref_base[path], x, err_msg=path)
+
+
+def test_a_filter_that_selects_nothing_is_refused_in_one_line(tmp_path):
+    model = LoRALM(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.BatchStat)  # no parameter is a BatchStat
+    with pytest.raises(FrozenError, match="selects no parameter of the model; nothing would train$"):
+        zinfjax.wrap(optimizer, zinfjax.Config(), model=model, loss_fn=loss_fn, batch=data()[0])

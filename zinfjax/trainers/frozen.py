@@ -1,0 +1,64 @@
+"""Frozen parameters: an optimizer that trains some leaves and gives the rest no update at all.
+
+Flax says which parameters train in its own ways: an ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``
+keeps optimizer state for the ``wrt`` leaves alone. zinfjax streams the whole model, so it runs ``tx``
+on those leaves through ``optax.multi_transform`` and gives every other leaf ``optax.set_to_zero()``: the
+same updates, the frozen leaves bit for bit unchanged (`freeze`). The user's optimizer state, made by
+``tx.init`` on the trainable leaves alone, is carried into the transformation's state (`carried_state`):
+it holds the same leaves in the same order.
+
+Example:
+    >>> tx = freeze(optax.adam(1e-3), params, lambda path: "lora" in path)
+    >>> state = carried_state(tx, params, optax.adam(1e-3).init(lora_params))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import optax
+
+from zinfjax.errors import UserError
+
+TRAIN, FROZEN = "train", "frozen"
+
+
+class FrozenError(UserError):
+    """A trainable selection that selects nothing, or a state that is not the trainable leaves'."""
+
+
+def labels(params, trainable: Callable[[str], bool]):
+    """``params`` with each leaf replaced by ``"train"`` or ``"frozen"``, as ``trainable(key path)`` says."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: TRAIN if trainable(jax.tree_util.keystr(p)) else FROZEN,
+                                            params)
+
+
+def freeze(tx: optax.GradientTransformation, params, trainable: Callable[[str], bool]) -> optax.GradientTransformation:
+    """``tx`` on the leaves ``trainable`` selects, no update for the others (``optax.set_to_zero``).
+
+    Raises:
+        FrozenError: the selection holds no leaf of ``params``.
+    """
+    marks = labels(params, trainable)
+    if TRAIN not in jax.tree.leaves(marks):
+        raise FrozenError("the trainable selection (the optimizer's wrt filter) selects no parameter of the model; "
+                          "nothing would train")
+    return optax.multi_transform({TRAIN: tx, FROZEN: optax.set_to_zero()}, marks)
+
+
+def carried_state(frozen_tx: optax.GradientTransformation, params, state):
+    """``state`` (``tx.init`` of the trainable leaves alone) as the state of ``frozen_tx`` (`freeze`) on ``params``.
+
+    Raises:
+        FrozenError: ``state`` does not hold the leaves ``frozen_tx`` keeps, in shape and order.
+    """
+    like = jax.eval_shape(frozen_tx.init, params)
+    want, tree = jax.tree_util.tree_flatten(like)
+    have = jax.tree.leaves(state)
+    shapes = [tuple(x.shape) for x in want], [tuple(getattr(x, "shape", ())) for x in have]
+    if shapes[0] != shapes[1]:
+        raise FrozenError(f"the optimizer state holds {len(have)} leaves of shapes {shapes[1][:4]}..., not the "
+                          f"{len(want)} of the trainable parameters' ({shapes[0][:4]}...); wrap the optimizer that "
+                          "made it")
+    return jax.tree_util.tree_unflatten(tree, have)
