@@ -78,6 +78,7 @@ def _exact(name, targets, extra, tmp_path, steps):
 @pytest.mark.parametrize(("name", "targets", "extra"), [
     ("llama-tiny", ("q", "v"), dict(mesh="data:1")),
     ("gpt2-tiny", ("q", "k", "v", "o", "up", "down"), dict(stage=3, mesh="data:4")),
+    ("gpt2-tiny", ("q", "v"), dict(mesh="data:1", recompute="always")),  # the backward reruns the forward
 ])
 def test_lora_on_nvme_is_the_masked_in_memory_loop(name, targets, extra, tmp_path):
     """The short form: 5 steps (the wide form runs 20)."""

@@ -349,7 +349,7 @@ class Step:
                               for a, b in zip(state["d_ins"], d_ins, strict=True)]
         state["d_xs"][i] = d_xs
         for g in owned:
-            grads = [d_slices[k] for k in g.leaves]
+            grads = [self._grad(d_slices, k) for k in g.leaves]
             in_parts = g.name in self.engine.parts
             upd, spooled = reads[g.name]
             if spooled is not None:
@@ -360,9 +360,20 @@ class Step:
                 self.updates.hold(g.name, i, own, dict(zip(g.leaves, grads, strict=True)))
             else:
                 self.updates.update_unit(g.name, i, by_group[g.name], grads, upd)
-        for group in sorted({self.program.leaves[k].group for k in stage.streams} - {g.name for g in owned}):
+        for group in sorted({self.program.leaves[k].group for k in stage.streams} - {g.name for g in owned}
+                            - set(self._frozen_groups())):
             leaves = self.program.groups[group].leaves
             self._contribute(group, i, {self.program.leaves[k].path: d_slices[k] for k in leaves if k in d_slices})
+
+    def _frozen_groups(self) -> list[str]:
+        return [g for g in self.program.groups if self.engine.update_plan.frozen_group(g)]
+
+    def _grad(self, d_slices: dict, k: int):
+        """Leaf ``k``'s gradient from a backward; zeros for a frozen leaf, which the backward does not differentiate
+        (`StageFunctions.frozen`) and whose update, where one still runs, is zero whatever it is given."""
+        if k in d_slices:
+            return d_slices[k]
+        return jnp.zeros(self.program.leaves[k].slice_shape, jnp.float32)
 
     def _contribute(self, group: str, i: int, grads: dict) -> None:
         """A later scan's share of a tied parameter's gradient, spooled for its owner's backward."""

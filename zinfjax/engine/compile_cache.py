@@ -38,7 +38,7 @@ def compiled(program: Program, tx: optax.GradientTransformation, rules: Sharding
     placement = Placement(program, rules, mesh)
     plan = update_plan(tx, program)
     units = Units(program, plan, compute_dtype, placement, on_host, params_kind, host_kind)
-    return Compiled(placement, StageFunctions(program, placement, micro), plan, units)
+    return Compiled(placement, StageFunctions(program, placement, micro, plan.frozen), plan, units)
 
 
 @functools.lru_cache(maxsize=4)

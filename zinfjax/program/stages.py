@@ -73,8 +73,9 @@ class StageFunctions:
     stage's gradient layout, ``placement.rows(x)`` a residual (``A`` leading) to its batch split.
     """
 
-    def __init__(self, program, placement, micro: int = 1):
+    def __init__(self, program, placement, micro: int = 1, frozen: frozenset = frozenset()):
         self.program, self.placement, self.micro = program, placement, micro
+        self.frozen = frozen  # leaves whose weight gradient nobody needs (`UpdatePlan.frozen`): not differentiated
         self.constants = program.constants
         self._pullbacks: dict[tuple, Pullback] = {}
 
@@ -89,6 +90,12 @@ class StageFunctions:
 
     def _grads(self, grads: dict) -> dict:
         return {k: self.placement.grads(k, g) for k, g in grads.items()}
+
+    def _split(self, params: dict) -> tuple[dict, dict]:
+        """``(trainable, frozen)`` parts of ``{leaf: value}``: only the first is differentiated, so the backward
+        computes no weight gradient of a frozen leaf (its input cotangents still flow)."""
+        return ({k: x for k, x in params.items() if k not in self.frozen},
+                {k: x for k, x in params.items() if k in self.frozen})
 
     def _rows(self, xs):
         return [self.placement.rows(x) for x in xs]
@@ -119,9 +126,11 @@ class StageFunctions:
         def bwd(params, ins, d_outs):
             params = self._params(params)
 
+            train, fixed = self._split(params)
+
             def one(args):
                 ins_a, d_a = args
-                return vjp_of(lambda p, i: self._run_whole(stage, p, i), (params, ins_a), d_a)
+                return vjp_of(lambda p, i: self._run_whole(stage, {**p, **fixed}, i), (train, ins_a), d_a)
 
             d_params, d_ins = self._map(one, (ins, d_outs))
             return without_float0((self._grads(_mean0(d_params)), self._rows(d_ins)))
@@ -173,10 +182,15 @@ class StageFunctions:
         def bwd(params, slices, ins, carry, xs, d_carry, d_ys):
             params, slices = self._params(params), self._params(slices)
 
+            (train, fixed), (s_train, s_fixed) = self._split(params), self._split(slices)
+
             def one(args):
                 ins_a, carry_a, xs_a, dc_a, dy_a = args
-                f = lambda p, s, i, c, x: self._run_body(stage, p, s, i, c, x)  # noqa: E731
-                return vjp_of(f, (params, slices, ins_a, carry_a, xs_a), (dc_a, dy_a))
+
+                def f(p, s, i, c, x):
+                    return self._run_body(stage, {**p, **fixed}, {**s, **s_fixed}, i, c, x)
+
+                return vjp_of(f, (train, s_train, ins_a, carry_a, xs_a), (dc_a, dy_a))
 
             d_params, d_slices, d_ins, d_carry, d_xs = self._map(one, (ins, carry, xs, d_carry, d_ys))
             return without_float0((self._grads(_mean0(d_params)), self._grads(_mean0(d_slices)), self._rows(d_ins),
@@ -195,11 +209,11 @@ class StageFunctions:
         stage, pullback = self._stage(position), self._pullback(("whole", position))
 
         def fwd(params, ins):
-            params = self._params(params)
+            train, fixed = self._split(self._params(params))
 
             def one(ins_a):
-                return save_vjp(lambda p, i: self._run_whole(stage, p, i), (params, ins_a), list(params.values()),
-                                pullback)
+                return save_vjp(lambda p, i: self._run_whole(stage, {**p, **fixed}, i), (train, ins_a),
+                                [*train.values(), *fixed.values()], pullback)
 
             outs, kept = self._map(one, ins)
             return self._rows(outs), kept
@@ -212,9 +226,9 @@ class StageFunctions:
         pullback = self._pullback(("whole", position))
 
         def bwd(params, kept, d_outs):
-            params = self._params(params)
-            d_params, d_ins = self._map(lambda a: apply_saved(pullback, a[0], list(params.values()), a[1]),
-                                        (kept, d_outs))
+            train, fixed = self._split(self._params(params))
+            shared = [*train.values(), *fixed.values()]
+            d_params, d_ins = self._map(lambda a: apply_saved(pullback, a[0], shared, a[1]), (kept, d_outs))
             return without_float0((self._grads(_mean0(d_params)), self._rows(d_ins)))
 
         return jax.jit(bwd)
@@ -225,12 +239,14 @@ class StageFunctions:
         stage, pullback = self._stage(position), self._pullback(("scan", position))
 
         def fwd(params, slices, ins, carry, xs):
-            params, slices = self._params(params), self._params(slices)
-            shared = [*params.values(), *slices.values()]
+            (train, fixed), (s_train, s_fixed) = self._split(self._params(params)), self._split(self._params(slices))
+            shared = [*train.values(), *s_train.values(), *fixed.values(), *s_fixed.values()]
 
             def one(args):
-                f = lambda p, s, i, c, x: self._run_body(stage, p, s, i, c, x)  # noqa: E731
-                (carry_a, ys_a), kept = save_vjp(f, (params, slices, *args), shared, pullback)
+                def f(p, s, i, c, x):
+                    return self._run_body(stage, {**p, **fixed}, {**s, **s_fixed}, i, c, x)
+
+                (carry_a, ys_a), kept = save_vjp(f, (train, s_train, *args), shared, pullback)
                 return carry_a, ys_a, kept
 
             carry, ys, kept = self._map(one, (ins, carry, xs))
@@ -244,8 +260,8 @@ class StageFunctions:
         pullback = self._pullback(("scan", position))
 
         def bwd(params, slices, kept, d_carry, d_ys):
-            params, slices = self._params(params), self._params(slices)
-            shared = [*params.values(), *slices.values()]
+            (train, fixed), (s_train, s_fixed) = self._split(self._params(params)), self._split(self._params(slices))
+            shared = [*train.values(), *s_train.values(), *fixed.values(), *s_fixed.values()]
             d_params, d_slices, d_ins, d_carry, d_xs = self._map(
                 lambda a: apply_saved(pullback, a[0], shared, (a[1], a[2])), (kept, d_carry, d_ys))
             return without_float0((self._grads(_mean0(d_params)), self._grads(_mean0(d_slices)), self._rows(d_ins),
