@@ -37,6 +37,7 @@ from zinfjax.checkpoint.model import checkpoint_model
 from zinfjax.checkpoint.model import resolve_model as zinfjax_model
 from zinfjax.checkpoint.reader import LeafReader
 from zinfjax.config import Config
+from zinfjax.data.tokenizers import SUBDIR, beside
 from zinfjax.models import ModelConfig
 from zinfjax.models.configs import NAMED
 from zinfjax.store.disk import free_bytes, is_disk_full
@@ -122,8 +123,6 @@ def convert(src: str, dst: str, to: str = "zinfjax", *, source_format: str | Non
 def _carry_tokenizer(src: str, dst: str, to: str) -> str | None:
     """The source's tokenizer files, carried along: into ``<dst>/tokenizer`` beside a zinfjax save_dir, or into
     an HF directory's own; None when the source has none."""
-    from zinfjax.data.tokenizers import SUBDIR, beside
-
     origin = src if os.path.isdir(src) else os.path.dirname(src)
     found = beside(origin)
     return copy_tokenizer(found, os.path.join(dst, SUBDIR) if to == "zinfjax" else dst) if found else None

@@ -25,6 +25,7 @@ import safetensors
 import torch
 
 from zinfjax._util.mapping_files import read_mapping
+from zinfjax.data.tokenizers import TOKENIZER_FILES, has_tokenizer
 from zinfjax_interop.errors import CheckpointFilesError
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -289,8 +290,6 @@ def copy_tokenizer(src: str, dst: str) -> str | None:
     """Copies the Hugging Face tokenizer files of the directory ``src`` (if it holds a tokenizer) into ``dst``;
     returns ``dst``, or None when there was none. A converted model keeps its tokenizer so that its text is
     tokenized as in pretraining (`zinfjax.data.tokenizers`)."""
-    from zinfjax.data.tokenizers import TOKENIZER_FILES, has_tokenizer
-
     if src is None or not has_tokenizer(src):
         return None
     os.makedirs(dst, exist_ok=True)

@@ -36,7 +36,7 @@ from zinfjax.errors import UserError
 from zinfjax.models.stacked import StackedLM, lm_init, lm_loss
 from zinfjax.program import InitSource, program_for
 from zinfjax.sharding import make_mesh
-from zinfjax.trainers.frozen import carried_state, freeze
+from zinfjax.trainers.frozen import carried_state, check_selects, freeze
 
 DOCS = "docs/models.md"
 
@@ -285,7 +285,11 @@ def _trained(optimizer, model, params: dict, opt_state):
     every = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
     if chosen == every:
         return optimizer.tx, opt_state
-    tx = freeze(optimizer.tx, params, chosen.__contains__)
+    def trainable(path) -> bool:
+        return jax.tree_util.keystr(path) in chosen
+
+    check_selects(params, trainable)
+    tx = freeze(optimizer.tx, trainable)
     return tx, carried_state(tx, params, opt_state)
 
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 import zinfjax
 from tests.support.engine_helpers import relative_error
+from tests.support.nnx_models import StackedLM, next_token_loss
 from zinfjax.trainers.frozen import FrozenError
 
 LAYERS, D, VOCAB, STEPS = 3, 32, 64, 6
@@ -33,29 +34,8 @@ class Block(nnx.Module):
         return h + self.down(nnx.gelu(self.up(self.norm(h))))
 
 
-class LoRALM(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
-
-        @nnx.split_rngs(splits=LAYERS)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def blocks(rngs):
-            return Block(rngs)
-
-        self.blocks = blocks(rngs)
-        self.head = nnx.Linear(D, VOCAB, rngs=rngs)
-
-    def __call__(self, tokens):
-        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-        def run(block, h):
-            return block(h)
-
-        return self.head(run(self.blocks, self.embed(tokens)))
-
-
-def loss_fn(model, batch):
-    logits = model(batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+def lora_lm(rngs: nnx.Rngs):
+    return StackedLM(Block, LAYERS, VOCAB, D, rngs)
 
 
 def data():
@@ -65,12 +45,12 @@ def data():
 
 def own_loop(batches):
     """The user's NNX loop: gradients of the LoRA params alone, ``optimizer.update``."""
-    model = LoRALM(nnx.Rngs(0))
+    model = lora_lm(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
 
     @nnx.jit
     def step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, batch)
+        loss, grads = nnx.value_and_grad(next_token_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, batch)
         optimizer.update(model, grads)
         return loss
 
@@ -88,12 +68,12 @@ def split(params) -> tuple[dict, dict]:
 def test_nnx_lora_params_train_and_the_base_stays_through_wrap(tmp_path):
     batches = data()
     ref_losses, ref = own_loop(batches)
-    model = LoRALM(nnx.Rngs(0))
+    model = lora_lm(nnx.Rngs(0))
     start = nnx.state(model, nnx.Param).to_pure_dict()
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
     c = zinfjax.Config(nvme_path=str(tmp_path), params="nvme", optimizer="nvme", gradients="nvme",
                        activations="nvme")
-    with zinfjax.wrap(optimizer, c, model=model, loss_fn=loss_fn) as wrapped:
+    with zinfjax.wrap(optimizer, c, model=model, loss_fn=next_token_loss) as wrapped:
         losses = [float(wrapped.train_step(b)[1]["loss"]) for b in batches]
         groups = {g.name: g.length for g in wrapped.engine.program.streamed_groups()}
         ours = jax.tree.map(np.asarray, wrapped.sync())
@@ -108,7 +88,7 @@ def test_nnx_lora_params_train_and_the_base_stays_through_wrap(tmp_path):
 
 
 def test_a_filter_that_selects_nothing_is_refused_in_one_line(tmp_path):
-    model = LoRALM(nnx.Rngs(0))
+    model = lora_lm(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.BatchStat)  # no parameter is a BatchStat
     with pytest.raises(FrozenError, match="selects no parameter of the model; nothing would train$"):
-        zinfjax.wrap(optimizer, zinfjax.Config(), model=model, loss_fn=loss_fn, batch=data()[0])
+        zinfjax.wrap(optimizer, zinfjax.Config(), model=model, loss_fn=next_token_loss, batch=data()[0])

@@ -21,6 +21,7 @@ from flax.training import train_state
 
 import zinfjax
 from tests.support import tiled_models
+from tests.support.nnx_models import StackedLM, next_token_loss
 from tests.test_any_model import assert_exact, in_memory_loop, zero_gradient_leaves
 from zinfjax.models.tiled_nnx import TiledMLP as TiledMLPNNX
 from zinfjax.program.split import ProgramError, split
@@ -161,42 +162,20 @@ class NNXBlock(nnx.Module):
         return h + self.mlp(self.norm(h))
 
 
-class NNXTiledLM(nnx.Module):
-    """`nnx.vmap`-made blocks run by `nnx.scan`, each with a `zinfjax.models.tiled_nnx.TiledMLP` (a nested scan)."""
-
-    def __init__(self, vocab: int = 64, d: int = 32, rngs: nnx.Rngs | None = None):
-        self.embed = nnx.Embed(vocab, d, rngs=rngs)
-
-        @nnx.split_rngs(splits=LAYERS)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def blocks(rngs):
-            return NNXBlock(d, rngs)
-
-        self.blocks = blocks(rngs)
-        self.head = nnx.Linear(d, vocab, rngs=rngs)
-
-    def __call__(self, tokens):
-        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-        def run(block, h):
-            return block(h)
-
-        return self.head(run(self.blocks, self.embed(tokens)))
-
-
-def nnx_loss(model, batch):
-    logits = model(batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+def nnx_tiled_lm(rngs: nnx.Rngs, d: int = 32):
+    """`StackedLM` whose blocks each hold a `zinfjax.models.tiled_nnx.TiledMLP` (a nested scan)."""
+    return StackedLM(lambda r: NNXBlock(d, r), LAYERS, 64, d, rngs)
 
 
 def test_nnx_blocks_with_a_tiled_mlp_stream_tile_by_tile_through_wrap(tmp_path):
-    model, tx = NNXTiledLM(rngs=nnx.Rngs(0)), optax.adam(1e-3)
+    model, tx = nnx_tiled_lm(nnx.Rngs(0)), optax.adam(1e-3)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     pure = params.to_pure_dict()
 
     def pure_loss(p, batch):
         s = jax.tree.map(lambda x: x, params)
         s.replace_by_pure_dict(p)
-        return nnx_loss(nnx.merge(graphdef, s, rest), batch)
+        return next_token_loss(nnx.merge(graphdef, s, rest), batch)
 
     rng = np.random.default_rng(2)
     data = [jnp.asarray(rng.integers(0, 64, (8, 17)), jnp.int32)] * STEPS
@@ -204,7 +183,7 @@ def test_nnx_blocks_with_a_tiled_mlp_stream_tile_by_tile_through_wrap(tmp_path):
     c = zinfjax.Config(nvme_path=str(tmp_path), params="nvme", optimizer="nvme", gradients="nvme", activations="nvme",
                        stream_tiles="always")
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    with zinfjax.wrap(optimizer, c, model=model, loss_fn=nnx_loss) as wrapped:
+    with zinfjax.wrap(optimizer, c, model=model, loss_fn=next_token_loss) as wrapped:
         losses = [wrapped.train_step(b)[1]["loss"] for b in data]
         groups = {g.name: g.length for g in wrapped.engine.program.streamed_groups()}
         out = jax.tree.map(np.asarray, wrapped.sync())

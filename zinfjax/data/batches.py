@@ -29,7 +29,6 @@ class Batches:
                             "or a smaller seq_len")
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
         self.seed, self.position = seed, position
-        self.facts: dict = {}  # what the tokens came from, for the run's log (tokenizer, token file)
 
     def batch(self, n: int, rows: slice = slice(None)) -> np.ndarray:
         """Batch number ``n``, as int32 of shape (batch_size, seq_len + 1); or only its ``rows``.

@@ -360,13 +360,10 @@ class Step:
                 self.updates.hold(g.name, i, own, dict(zip(g.leaves, grads, strict=True)))
             else:
                 self.updates.update_unit(g.name, i, by_group[g.name], grads, upd)
-        for group in sorted({self.program.leaves[k].group for k in stage.streams} - {g.name for g in owned}
-                            - set(self._frozen_groups())):
+        for group in sorted(({self.program.leaves[k].group for k in stage.streams} - {g.name for g in owned})
+                            & self.io.tied.keys()):  # a frozen group is not tied (`Engine`): no share to spool
             leaves = self.program.groups[group].leaves
             self._contribute(group, i, {self.program.leaves[k].path: d_slices[k] for k in leaves if k in d_slices})
-
-    def _frozen_groups(self) -> list[str]:
-        return [g for g in self.program.groups if self.engine.update_plan.frozen_group(g)]
 
     def _grad(self, d_slices: dict, k: int):
         """Leaf ``k``'s gradient from a backward; zeros for a frozen leaf, which the backward does not differentiate

@@ -147,7 +147,7 @@ class Engine:
         self.micro = config.grad_accum
         # The streamed groups other scans stream too, whose later scans spool a share of the gradient (none for a
         # frozen group: no update takes it).
-        self._tied = {g for g in tied_groups(program) if not ready.layout.plan.frozen_group(g)}
+        self._tied = {g: n for g, n in tied_groups(program).items() if not ready.layout.plan.frozen_group(g)}
         specs, acts, planned = ready.specs, ready.acts, ready.planned
         self.planned_needs = planned.needs  # the (read, write, resident) bytes the budget was planned for
         self.residual_bytes = ready.residual_bytes

@@ -56,7 +56,7 @@ def update_parts(program, plan, specs: list[StoreSpec], spooled: bool,
     for g in program.streamed_groups():
         if len(g.leaves) < 2 or g.sub is not None or not plan.separable(g.name):  # tiles are cut already
             continue
-        trainable = [k for k in g.leaves if k not in plan.frozen]  # a frozen leaf is in no part: never updated
+        trainable = _trainable(plan, g)  # a frozen leaf is in no part: never updated
         if not trainable:
             continue
         if sub_group_size:
@@ -80,10 +80,14 @@ def trainable_parts(program, plan, spooled: bool) -> dict[str, list[Part]]:
         return {}
     out = {}
     for g in program.streamed_groups():
-        trainable = tuple(k for k in g.leaves if k not in plan.frozen)
+        trainable = _trainable(plan, g)
         if 0 < len(trainable) < len(g.leaves) and g.sub is None and plan.separable(g.name):
             out[g.name] = [_part(program, plan, g.name, trainable)]
     return out
+
+
+def _trainable(plan, group) -> tuple[int, ...]:
+    return tuple(k for k in group.leaves if k not in plan.frozen)
 
 
 def fill_parts(program, plan, parts: dict, group: str) -> list:

@@ -5,8 +5,8 @@ adapter of rank ``r`` (`ModelConfig.lora_rank`) under ``<projection>_lora``: ``a
 initialised as PEFT initialises ``lora_A`` (Kaiming-uniform, bound ``1 / sqrt(in)``), and ``b``
 ``(r, out...)``, zeros, so a fresh adapter leaves the model as it was. The adapters are parameters of
 the block, stacked per layer like the rest, so they stream with their layer. The optimizer trains
-them alone: `trainable` labels every other leaf frozen, and `masked` gives those no update
-(``optax.set_to_zero``).
+them alone (`is_adapter` selects them for `zinfjax.trainers.frozen.freeze`): every other leaf gets no
+update (``optax.set_to_zero``).
 
 Example:
     >>> c = ModelConfig.named("llama-tiny").replace(lora_rank=4, lora_targets=("q", "v"))
@@ -23,7 +23,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from zinfjax.errors import ConfigError
 
@@ -93,13 +92,3 @@ def is_adapter(path) -> bool:
     """Whether a parameter path (a jax key path, or its keys) is a LoRA adapter's."""
     keys = [getattr(k, "key", getattr(k, "name", k)) for k in path]
     return any(isinstance(k, str) and k.endswith(SUFFIX) for k in keys)
-
-
-def trainable(params) -> Any:
-    """``"train"`` for every adapter leaf of ``params``, ``"frozen"`` for every other."""
-    return jax.tree_util.tree_map_with_path(lambda p, _: "train" if is_adapter(p) else "frozen", params)
-
-
-def masked(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``tx`` on the adapters, and no update at all for the frozen base (``optax.set_to_zero``)."""
-    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, trainable)

@@ -50,7 +50,6 @@ def _kind(eqns, target, param, consts: dict) -> str:
         if atom in consts:
             return ZERO if np.all(np.asarray(consts[atom]) == 0) else OTHER
         if atom not in memo:
-            memo[atom] = OTHER  # a cycle cannot occur in a jaxpr; this only stops a re-entry
             memo[atom] = _of(made.get(atom), kind, param)
         return memo[atom]
 

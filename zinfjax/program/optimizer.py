@@ -113,6 +113,7 @@ class UpdatePlan:
         """The leaves whose update is zero by construction (`zinfjax.program.frozen`): never updated nor written."""
         return frozen_leaves(self)
 
+    @instance_cache  # asked per unit in the step's loop
     def frozen_group(self, group: str) -> bool:
         """Whether every leaf of ``group`` is frozen: it has no update to run, nothing to write back."""
         return all(k in self.frozen for k in self.program.groups[group].leaves)

@@ -97,6 +97,12 @@ class StageFunctions:
         return ({k: x for k, x in params.items() if k not in self.frozen},
                 {k: x for k, x in params.items() if k in self.frozen})
 
+    def _split_scan(self, params: dict, slices: dict) -> tuple[dict, dict, dict, dict, list]:
+        """`_split` of a stage's whole parameters and (a scan iteration's) slices, placed, and every one of them in
+        the order a saved pullback finds its shared leaves (`zinfjax.program.residuals.save_vjp`)."""
+        (train, fixed), (s_train, s_fixed) = self._split(self._params(params)), self._split(self._params(slices))
+        return train, fixed, s_train, s_fixed, [*train.values(), *s_train.values(), *fixed.values(), *s_fixed.values()]
+
     def _rows(self, xs):
         return [self.placement.rows(x) for x in xs]
 
@@ -180,9 +186,7 @@ class StageFunctions:
         stage = self._stage(position)
 
         def bwd(params, slices, ins, carry, xs, d_carry, d_ys):
-            params, slices = self._params(params), self._params(slices)
-
-            (train, fixed), (s_train, s_fixed) = self._split(params), self._split(slices)
+            train, fixed, s_train, s_fixed, _ = self._split_scan(params, slices)
 
             def one(args):
                 ins_a, carry_a, xs_a, dc_a, dy_a = args
@@ -209,11 +213,11 @@ class StageFunctions:
         stage, pullback = self._stage(position), self._pullback(("whole", position))
 
         def fwd(params, ins):
-            train, fixed = self._split(self._params(params))
+            train, fixed, _, _, shared = self._split_scan(params, {})
 
             def one(ins_a):
-                return save_vjp(lambda p, i: self._run_whole(stage, {**p, **fixed}, i), (train, ins_a),
-                                [*train.values(), *fixed.values()], pullback)
+                return save_vjp(lambda p, i: self._run_whole(stage, {**p, **fixed}, i), (train, ins_a), shared,
+                                pullback)
 
             outs, kept = self._map(one, ins)
             return self._rows(outs), kept
@@ -226,8 +230,7 @@ class StageFunctions:
         pullback = self._pullback(("whole", position))
 
         def bwd(params, kept, d_outs):
-            train, fixed = self._split(self._params(params))
-            shared = [*train.values(), *fixed.values()]
+            *_, shared = self._split_scan(params, {})
             d_params, d_ins = self._map(lambda a: apply_saved(pullback, a[0], shared, a[1]), (kept, d_outs))
             return without_float0((self._grads(_mean0(d_params)), self._rows(d_ins)))
 
@@ -239,8 +242,7 @@ class StageFunctions:
         stage, pullback = self._stage(position), self._pullback(("scan", position))
 
         def fwd(params, slices, ins, carry, xs):
-            (train, fixed), (s_train, s_fixed) = self._split(self._params(params)), self._split(self._params(slices))
-            shared = [*train.values(), *s_train.values(), *fixed.values(), *s_fixed.values()]
+            train, fixed, s_train, s_fixed, shared = self._split_scan(params, slices)
 
             def one(args):
                 def f(p, s, i, c, x):
@@ -260,8 +262,7 @@ class StageFunctions:
         pullback = self._pullback(("scan", position))
 
         def bwd(params, slices, kept, d_carry, d_ys):
-            (train, fixed), (s_train, s_fixed) = self._split(self._params(params)), self._split(self._params(slices))
-            shared = [*train.values(), *s_train.values(), *fixed.values(), *s_fixed.values()]
+            *_, shared = self._split_scan(params, slices)
             d_params, d_slices, d_ins, d_carry, d_xs = self._map(
                 lambda a: apply_saved(pullback, a[0], shared, (a[1], a[2])), (kept, d_carry, d_ys))
             return without_float0((self._grads(_mean0(d_params)), self._grads(_mean0(d_slices)), self._rows(d_ins),

@@ -7,14 +7,18 @@ same updates, the frozen leaves bit for bit unchanged (`freeze`). The user's opt
 ``tx.init`` on the trainable leaves alone, is carried into the transformation's state (`carried_state`):
 it holds the same leaves in the same order.
 
+LoRA on zinfjax's own models uses the same transformation, with `zinfjax.models.lora.is_adapter` as the
+selection (`zinfjax.trainers.optimizers.make_optimizer`).
+
 Example:
-    >>> tx = freeze(optax.adam(1e-3), params, lambda path: "lora" in path)
+    >>> tx = freeze(optax.adam(1e-3), lambda path: "lora" in jax.tree_util.keystr(path))
     >>> state = carried_state(tx, params, optax.adam(1e-3).init(lora_params))
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import optax
@@ -28,23 +32,25 @@ class FrozenError(UserError):
     """A trainable selection that selects nothing, or a state that is not the trainable leaves'."""
 
 
-def labels(params, trainable: Callable[[str], bool]):
+def labels(params, trainable: Callable) -> Any:
     """``params`` with each leaf replaced by ``"train"`` or ``"frozen"``, as ``trainable(key path)`` says."""
-    return jax.tree_util.tree_map_with_path(lambda p, _: TRAIN if trainable(jax.tree_util.keystr(p)) else FROZEN,
-                                            params)
+    return jax.tree_util.tree_map_with_path(lambda p, _: TRAIN if trainable(p) else FROZEN, params)
 
 
-def freeze(tx: optax.GradientTransformation, params, trainable: Callable[[str], bool]) -> optax.GradientTransformation:
-    """``tx`` on the leaves ``trainable`` selects, no update for the others (``optax.set_to_zero``).
+def freeze(tx: optax.GradientTransformation, trainable: Callable) -> optax.GradientTransformation:
+    """``tx`` on the leaves whose key path ``trainable`` selects, no update for the others (``optax.set_to_zero``)."""
+    return optax.multi_transform({TRAIN: tx, FROZEN: optax.set_to_zero()}, lambda params: labels(params, trainable))
+
+
+def check_selects(params, trainable: Callable) -> None:
+    """Refuses a selection that holds no leaf of ``params``.
 
     Raises:
-        FrozenError: the selection holds no leaf of ``params``.
+        FrozenError: nothing would train.
     """
-    marks = labels(params, trainable)
-    if TRAIN not in jax.tree.leaves(marks):
+    if TRAIN not in jax.tree.leaves(labels(params, trainable)):
         raise FrozenError("the trainable selection (the optimizer's wrt filter) selects no parameter of the model; "
                           "nothing would train")
-    return optax.multi_transform({TRAIN: tx, FROZEN: optax.set_to_zero()}, marks)
 
 
 def carried_state(frozen_tx: optax.GradientTransformation, params, state):

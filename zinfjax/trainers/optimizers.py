@@ -15,6 +15,7 @@ import optax
 
 from zinfjax.config import Config
 from zinfjax.models import lora
+from zinfjax.trainers.frozen import freeze
 
 
 def make_schedule(config: Config):
@@ -45,7 +46,7 @@ def make_schedule(config: Config):
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
     """The optax transformation a config asks for, global-norm clipping first when ``grad_clip > 0``; with
-    ``lora_rank``, on the LoRA adapters alone (`zinfjax.models.lora.masked`), the clipping norm theirs.
+    ``lora_rank``, on the LoRA adapters alone (`zinfjax.trainers.frozen.freeze`), the clipping norm theirs.
 
     zinfjax runs every one of them exactly, one layer at a time (docs/engine.md, "Optimizers").
     """
@@ -62,4 +63,4 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
     }[config.optimizer_name]()
     if config.grad_clip > 0:
         base = optax.chain(optax.clip_by_global_norm(config.grad_clip), base)
-    return lora.masked(base) if config.lora_rank else base  # LoRA: the adapters train, the base has no update
+    return freeze(base, lora.is_adapter) if config.lora_rank else base  # LoRA: the base gets no update

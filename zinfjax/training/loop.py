@@ -51,12 +51,12 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     started = time.perf_counter()
     initialize_from_env()
     main = is_main_process()
-    config, model_config, batches, start = _prepare(config, main, progress)
+    config, model_config, batches, start, data = _prepare(config, main, progress)
     model, trainer = build_trainer(config.replace(nvme_path=process_nvme_path(config.nvme_path)))
     tracer = _attach_tracer(trainer, trace if main else None)
     log = {"config": config.to_dict(), "processes": jax.process_count(), "devices": jax.device_count(),
            "init_s": time.perf_counter() - started, "init_peak_rss_bytes": rss.peak_bytes(),
-           "malloc_huge_pages": allocator.huge_pages(), "data": batches.facts, "steps": []}
+           "malloc_huge_pages": allocator.huge_pages(), "data": data, "steps": []}
     first = _start(trainer, batches, log, main)
     if config.warmup_steps > config.steps and main:
         print(f"zinfjax: warning: warmup_steps={config.warmup_steps} is longer than the run (steps={config.steps}): "
@@ -83,8 +83,8 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
 
 
 def _prepare(config: Config, main: bool, progress: bool = False):
-    """The run's config (micro-batch, tiers=auto and resume decided), model, batches and start, each checked
-    before anything is built."""
+    """The run's config (micro-batch, tiers=auto and resume decided), model, batches, start and what the data is
+    (for the log), each checked before anything is built."""
     config = config.with_batch_for(make_mesh(config.mesh_axes()).shape["data"])  # DeepSpeed's micro-batch
     if config.tiers == "auto":
         config = auto_tiers(config, main)
@@ -95,11 +95,11 @@ def _prepare(config: Config, main: bool, progress: bool = False):
                                      config.data_field, progress=progress and main)
     batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
     # What the model is fed: the tokenizer, and the memory-mapped token file (zinfjax.data.corpus) if there is one.
-    batches.facts = {"tokenizer": tokenizer, "tokens": len(tokens), "token_file": getattr(tokens, "filename", None)}
+    data = {"tokenizer": tokenizer, "tokens": len(tokens), "token_file": getattr(tokens, "filename", None)}
     start = choose_start(config, model_config)
     if start.notes and main:
         print("zinfjax: " + "; ".join(start.notes), file=sys.stderr)
-    return start.config, model_config, batches, start
+    return start.config, model_config, batches, start, data
 
 
 def engine_facts(engine) -> dict:
