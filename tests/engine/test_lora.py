@@ -156,3 +156,29 @@ def chunk_files(root) -> dict:
             with open(path, "rb") as f:
                 out[path] = (os.stat(path).st_mtime_ns, f.read())
     return out
+
+
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_the_backward_computes_no_weight_gradient_of_the_base(recompute, tmp_path):
+    """Every backward operation of a step returns gradients of adapters alone: the frozen leaves are closed over,
+    not differentiated (`StageFunctions.frozen`), with saved residuals and with recomputation."""
+    c = config(model="llama-tiny", lora_rank=4, lora_targets="q,v", nvme_path=str(tmp_path), mesh="data:1",
+               recompute=recompute, **NVME)
+    model = models.build(ModelConfig.named("llama-tiny").replace(lora_rank=4, lora_targets=("q", "v")))
+    engine = lm_engine(model, c, make_mesh(c.mesh_axes()))
+    differentiated, dispatch = set(), engine._dispatch
+
+    def recording(name, layer, fn, *args):
+        out = dispatch(name, layer, fn, *args)
+        if name.endswith("_bwd"):
+            differentiated.update(k for part in out if isinstance(part, dict) for k in part)
+        return out
+
+    engine._dispatch = recording
+    try:
+        engine.train_step(next(batches(c)))
+    finally:
+        engine.close()
+    leaves = engine.program.leaves
+    assert engine.update_plan.frozen == {leaf.index for leaf in leaves if not is_adapter(leaf.keys)}
+    assert {leaves[k].path for k in differentiated} == {leaf.path for leaf in leaves if is_adapter(leaf.keys)}
