@@ -13,6 +13,7 @@ Example:
 from zinfjax_interop.convert import ZinfjaxCheckpoint, convert, detect_format
 from zinfjax_interop.deepspeed import convert_deepspeed
 from zinfjax_interop.errors import (
+    AdapterError,
     CheckpointFilesError,
     ConversionError,
     MissingTensorError,
@@ -26,7 +27,7 @@ from zinfjax_interop.hf_config import from_hf_config, to_hf_config
 from zinfjax_interop.mapping import MappingError, load_mapping
 
 __all__ = [
-    "CheckpointFilesError", "ConversionError", "HFCheckpoint", "MappingError", "MissingTensorError",
+    "AdapterError", "CheckpointFilesError", "ConversionError", "HFCheckpoint", "MappingError", "MissingTensorError",
     "ShapeMismatchError", "Tensor", "UnexpectedTensorError", "UnknownArchitectureError", "UnsupportedConfigError",
     "ZinfjaxCheckpoint", "convert", "convert_deepspeed", "detect_format", "from_hf_config", "load_hf",
     "load_mapping", "save_hf", "to_hf_config", "write_hf",

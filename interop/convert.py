@@ -11,11 +11,16 @@ safetensors file whose header was written first (`zinfjax_interop.hf.write_hf`).
 | ``deepspeed`` | a DeepSpeed save dir (``latest``, ``global_stepN/*_optim_states.pt``), see `.deepspeed` |
 | ``zinfjax`` | a zinfjax checkpoint (``zinfjax.json``), or a save_dir of them (the newest is read) |
 | ``torch`` | a ``torch.save``'d state_dict (.pt/.pth/.bin) or a .safetensors file, with ``model`` and a mapping |
+| ``peft`` | a PEFT LoRA adapter (``adapter_config.json``), with ``base``: the zinfjax checkpoint of its base |
+
+A zinfjax checkpoint with LoRA adapters goes ``to="peft"`` (a PEFT adapter directory) or, with
+``merge=True``, ``to="hf"`` with the adapters folded into the weights (`zinfjax_interop.peft`).
 
 Example:
     >>> convert("gpt2-dir", "runs/gpt2")                     # runs/gpt2/0: params + fresh adamw state
     {'format': 'hf', 'path': '/.../runs/gpt2/0', 'tensors': 148, 'bytes': ..., 'dtype': 'float32', ...}
     >>> convert("runs/gpt2", "gpt2-again", to="hf")          # config.json + model.safetensors
+    >>> convert("runs/lora", "out/adapter", to="peft")       # adapter_config.json + adapter_model.safetensors
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from zinfjax._util.byte_sizes import format_bytes, parse_bytes
 from zinfjax._util.mapping_files import read_mapping
 from zinfjax.checkpoint import CheckpointWriter, expected_leaves, read_meta
 from zinfjax.checkpoint import format as fmt
+from zinfjax.checkpoint.base import check_base
 from zinfjax.checkpoint.model import checkpoint_model
 from zinfjax.checkpoint.model import resolve_model as zinfjax_model
 from zinfjax.checkpoint.reader import LeafReader
@@ -43,6 +49,7 @@ from zinfjax.models.configs import NAMED
 from zinfjax.store.disk import free_bytes, is_disk_full
 from zinfjax.trainers.optimizers import make_optimizer
 from zinfjax_interop.errors import (
+    AdapterError,
     CheckpointFilesError,
     ConversionError,
     MissingTensorError,
@@ -61,10 +68,11 @@ from zinfjax_interop.files import (
 from zinfjax_interop.hf import CONFIG, HFCheckpoint, Tensor, hf_specs, write_hf, zinfjax_shapes
 from zinfjax_interop.hf_config import from_hf_config
 from zinfjax_interop.mapping import load_mapping
+from zinfjax_interop.peft import Merged, adapter_shapes, import_peft, is_peft, without_lora, write_peft
 from zinfjax_interop.tables import BY_ARCH
 
-FORMATS = ("hf", "deepspeed", "zinfjax", "torch")
-TARGETS = ("zinfjax", "hf")
+FORMATS = ("hf", "deepspeed", "zinfjax", "torch", "peft")
+TARGETS = ("zinfjax", "hf", "peft")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 
@@ -75,8 +83,10 @@ class SourceError(ConversionError):
 
 def convert(src: str, dst: str, to: str = "zinfjax", *, source_format: str | None = None,
             model: ModelConfig | str | None = None, mapping: str | None = None, lr: float | None = None,
-            dtype: str | None = None, max_shard_size: int | str = "5GB", progress: bool = False) -> dict:
-    """Converts the checkpoint ``src`` into a zinfjax checkpoint (``to="zinfjax"``) or an HF directory (``"hf"``).
+            dtype: str | None = None, max_shard_size: int | str = "5GB", progress: bool = False,
+            base: str | None = None, merge: bool = False) -> dict:
+    """Converts the checkpoint ``src`` into a zinfjax checkpoint (``to="zinfjax"``), an HF directory (``"hf"``) or
+    a PEFT adapter directory (``"peft"``, from a zinfjax checkpoint with LoRA adapters).
 
     Args:
         src: a checkpoint of any of `FORMATS`; ``source_format`` names it when the guess is not wanted.
@@ -93,6 +103,8 @@ def convert(src: str, dst: str, to: str = "zinfjax", *, source_format: str | Non
         max_shard_size: ``to="hf"`` only: past this size (``"5GB"``, as transformers) the tensors go
             into shards with a ``model.safetensors.index.json``.
         progress: show a progress bar (bytes, tensors).
+        base: for a PEFT adapter (needed), the zinfjax checkpoint of its base model.
+        merge: ``to="hf"`` from a checkpoint with LoRA adapters: fold them into the weights (needed there).
 
     Returns:
         A summary: ``source``, ``format``, ``to``, ``path``, ``step``, ``tensors``, ``bytes`` (written),
@@ -108,16 +120,35 @@ def convert(src: str, dst: str, to: str = "zinfjax", *, source_format: str | Non
         raise SourceError(f"--from {kind!r}: choose one of {', '.join(FORMATS)}")
     if mapping is not None and kind != "torch":
         raise SourceError(f"--mapping names the tensors of a torch state_dict; {src} is a {kind} checkpoint")
-    if model is not None and kind in ("hf", "zinfjax"):
+    if model is not None and kind in ("hf", "zinfjax", "peft"):
         raise SourceError(f"{src} is a {kind} checkpoint, which records its own model: leave out --model")
+    _check_lora_options(src, kind, to, base, merge)
     model_config = resolve_model(model) if model is not None else None
-    hf = HFTarget(DTYPES[dtype] if dtype else None, parse_bytes(max_shard_size))
+    hf = HFTarget(DTYPES[dtype] if dtype else None, parse_bytes(max_shard_size), merge)
     try:
-        out = _convert(src, dst, to, kind, model_config, mapping, lr, hf, progress)
+        out = _convert(src, dst, to, kind, model_config, mapping, lr, hf, progress, base)
         out["tokenizer"] = _carry_tokenizer(src, dst, to)
     except OSError as e:
         raise _write_error(dst, e) from e
     return {"source": os.path.abspath(src), "format": kind, "to": to, **out}
+
+
+def _check_lora_options(src: str, kind: str, to: str, base: str | None, merge: bool) -> None:
+    """The options of LoRA conversions fit the source and the target (each misfit named)."""
+    if merge and to != "hf":
+        raise SourceError(f"--merge applies to --to hf (it folds LoRA adapters into the weights written); --to is {to}")
+    if merge and kind != "zinfjax":
+        raise SourceError(f"--merge folds a zinfjax checkpoint's LoRA adapters into the weights; {src} is a {kind} "
+                          "checkpoint, which holds none: leave out --merge")
+    if base is not None and kind != "peft":
+        raise SourceError(f"--base names the base model of a PEFT adapter; {src} is a {kind} checkpoint, which "
+                          "needs none: leave out --base")
+    if kind == "peft" and to != "zinfjax":
+        raise SourceError(f"{src} is a PEFT adapter: it converts --to zinfjax (with --base); convert that checkpoint "
+                          "--to hf --merge for a merged model")
+    if to == "peft" and kind != "zinfjax":
+        raise AdapterError(f"--to peft writes the LoRA adapters of a zinfjax checkpoint; {src} is a {kind} "
+                           "checkpoint, which holds no LoRA adapters")
 
 
 def _carry_tokenizer(src: str, dst: str, to: str) -> str | None:
@@ -129,8 +160,10 @@ def _carry_tokenizer(src: str, dst: str, to: str) -> str | None:
 
 
 def _convert(src: str, dst: str, to: str, kind: str, model_config: ModelConfig | None, mapping: str | None,
-             lr: float | None, hf: HFTarget, progress: bool) -> dict:
-    if kind == "deepspeed":
+             lr: float | None, hf: HFTarget, progress: bool, base: str | None) -> dict:
+    if kind == "peft":
+        out = import_peft(src, dst, base, lr if lr is not None else Config().lr)
+    elif kind == "deepspeed":
         out = _from_deepspeed(src, dst, to, model_config, lr, hf, progress)
     elif to == "zinfjax":
         if kind == "zinfjax":
@@ -139,7 +172,7 @@ def _convert(src: str, dst: str, to: str, kind: str, model_config: ModelConfig |
             out = write_zinfjax(source, dst, lr if lr is not None else Config().lr, progress)
     else:
         with open_source(src, kind, model_config, mapping) as source:
-            out = _write_hf(source, dst, hf, progress)
+            out = write_peft(source, dst) if to == "peft" else _write_hf(source, dst, hf, progress)
     return out
 
 
@@ -183,6 +216,8 @@ def detect_format(src: str, to: str = "zinfjax") -> str:
         raise SourceError(f"{src} does not exist")
     if os.path.isfile(os.path.join(src, fmt.META)) or fmt.complete_steps(src):
         return "zinfjax"
+    if is_peft(src):
+        return "peft"
     weights = (SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX)
     hf = os.path.isfile(os.path.join(src, CONFIG)) and any(os.path.isfile(os.path.join(src, w)) for w in weights)
     deepspeed = _is_deepspeed(src)
@@ -193,7 +228,8 @@ def detect_format(src: str, to: str = "zinfjax") -> str:
     raise SourceError(
         f"{src} is no checkpoint zinfjax recognises: expected a Hugging Face model directory (config.json and "
         f"{SAFETENSORS} or {TORCH_BIN}), a DeepSpeed save dir (latest, global_stepN/*_optim_states.pt), a zinfjax "
-        f"checkpoint (zinfjax.json) or a torch state_dict file ({', '.join(STATE_DICT_SUFFIXES)}); "
+        f"checkpoint (zinfjax.json), a PEFT adapter (adapter_config.json) or a torch state_dict file "
+        f"({', '.join(STATE_DICT_SUFFIXES)}); "
         "--from names the format"
     )
 
@@ -258,6 +294,10 @@ class ZinfjaxCheckpoint:
     """A zinfjax checkpoint's parameters, read one layer of one leaf at a time (`LeafReader`).
 
     Every chunk's crc32c is checked as it is read. ``path`` is a checkpoint or a save_dir (its newest).
+    ``config`` is the model it records; ``like`` every leaf of that model without adapters (path ->
+    stacked shape and dtype) and ``adapters`` its LoRA adapter leaves (none without). A LoRA checkpoint
+    that holds its adapters alone names its frozen base (``meta["base"]``): the base's digest is
+    checked (`check_base`) and the other leaves are read from there.
 
     Example:
         >>> with ZinfjaxCheckpoint("runs/ckpt") as ckpt:
@@ -265,27 +305,27 @@ class ZinfjaxCheckpoint:
     """
 
     def __init__(self, path: str):
-
         self.directory, self.config = checkpoint_model(path)
         meta = read_meta(self.directory)
         self.step = int(meta["step"])
         if self.config.arch not in BY_ARCH:
             raise UnknownArchitectureError(f"{self.directory} holds a {self.config.arch!r} model, which zinfjax cannot "
                                            f"convert; supported: {', '.join(BY_ARCH)}")
-        saved, shapes = meta["items"]["params"], zinfjax_shapes(self.config)
-        where = f"{self.directory} ({self.config.arch}, {self.config.n_layers} layers)"
-        missing = [_name(p) for p in shapes if _name(p) not in saved]
-        if missing:
-            raise MissingTensorError(f"{where} lacks the params leaves {', '.join(missing)}")
-        extra = [n for n in saved if n not in {_name(p) for p in shapes}]
-        if extra:
-            raise UnexpectedTensorError(f"{where} holds params leaves the model does not have: {', '.join(extra)}")
-        for p, shape in shapes.items():
-            if tuple(saved[_name(p)]["shape"]) != shape:
-                raise ShapeMismatchError(f"{where}: leaf {_name(p)} has shape {tuple(saved[_name(p)]['shape'])}, "
-                                         f"the model implies {shape}")
-        self.like = {p: jax.ShapeDtypeStruct(s, np.dtype(saved[_name(p)]["dtype"])) for p, s in shapes.items()}
+        shapes, adapters = zinfjax_shapes(without_lora(self.config)), adapter_shapes(self.config)
+        self.base = check_base(meta["base"], self.directory) if meta.get("base") else None
+        own = meta["items"]["params"]
+        _check_leaves(self._where(self.directory), own, adapters if self.base else {**shapes, **adapters})
+        base_items = read_meta(self.base)["items"] if self.base else meta["items"]
+        if self.base:
+            _check_leaves(f"the base {self._where(self.base)}", base_items["params"], shapes)
+        self.like = {p: jax.ShapeDtypeStruct(s, np.dtype(base_items["params"][_name(p)]["dtype"]))
+                     for p, s in shapes.items()}
+        self.adapters = {p: jax.ShapeDtypeStruct(s, np.dtype(own[_name(p)]["dtype"])) for p, s in adapters.items()}
         self._reader = LeafReader(self.directory, meta["items"])
+        self._base_reader = LeafReader(self.base, base_items) if self.base else self._reader
+
+    def _where(self, directory: str) -> str:
+        return f"{directory} ({self.config.arch}, {self.config.n_layers} layers)"
 
     @property
     def names(self) -> list[str]:
@@ -298,16 +338,32 @@ class ZinfjaxCheckpoint:
 
     def read(self, path: str, layer: int | None) -> np.ndarray:
         """One layer (``layer`` None outside blocks) of the params leaf ``path`` (``"blocks/q/kernel"``)."""
-        return self._reader.read("params", _name(path), layer)
+        reader = self._reader if path in self.adapters else self._base_reader
+        return reader.read("params", _name(path), layer)
 
     def close(self) -> None:
         self._reader.close()
+        self._base_reader.close()
 
     def __enter__(self) -> ZinfjaxCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_leaves(where: str, saved: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The params leaves ``saved`` are exactly ``shapes``' paths, each of its shape (the first fault named)."""
+    missing = [_name(p) for p in shapes if _name(p) not in saved]
+    if missing:
+        raise MissingTensorError(f"{where} lacks the params leaves {', '.join(missing)}")
+    extra = [n for n in saved if n not in {_name(p) for p in shapes}]
+    if extra:
+        raise UnexpectedTensorError(f"{where} holds params leaves the model does not have: {', '.join(extra)}")
+    for p, shape in shapes.items():
+        if tuple(saved[_name(p)]["shape"]) != shape:
+            raise ShapeMismatchError(f"{where}: leaf {_name(p)} has shape {tuple(saved[_name(p)]['shape'])}, "
+                                     f"the model implies {shape}")
 
 
 def _name(path: str) -> str:
@@ -357,10 +413,12 @@ def write_zinfjax(source, dst: str, lr: float, progress: bool = False) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class HFTarget:
-    """How ``--to hf`` writes: the tensors' dtype (None: the source's) and the shard size."""
+    """How ``--to hf`` writes: the tensors' dtype (None: the source's), the shard size, and whether LoRA adapters
+    are folded into the weights."""
 
     dtype: str | None
     max_shard_bytes: int
+    merge: bool = False
 
 
 def _write_hf(source, dst: str, hf: HFTarget, progress: bool) -> dict:
@@ -370,6 +428,7 @@ def _write_hf(source, dst: str, hf: HFTarget, progress: bool) -> dict:
         names = ", ".join(os.path.basename(f) for f in held[:3]) + (", ..." if len(held) > 3 else "")
         raise SourceError(f"{dst} already holds a model's files ({names}): write to a new or empty directory, or "
                           "remove them first")
+    source = _without_adapters(source, hf.merge)
     dtypes = {p: s.dtype for p, s in source.like.items()}
     specs = hf_specs(source.config, dtypes, hf.dtype)
     total = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for _, dt, shape in specs)
@@ -381,6 +440,18 @@ def _write_hf(source, dst: str, hf: HFTarget, progress: bool) -> dict:
     finally:
         bar.close()
     return {"path": os.path.abspath(dst), "step": source.step, **out, "model": dataclasses.asdict(source.config)}
+
+
+def _without_adapters(source, merge: bool):
+    """``source`` with its LoRA adapters folded in (`Merged`) when ``merge``; a LoRA source is refused without."""
+    if merge:
+        return Merged(source)
+    c = source.config
+    if c.lora_rank:
+        raise AdapterError(f"{source.directory} holds LoRA adapters (rank {c.lora_rank} on "
+                           f"{', '.join(c.lora_targets)}): add --merge to fold them into the weights, or write them "
+                           "as a PEFT adapter with --to peft")
+    return source
 
 
 def _from_deepspeed(src: str, dst: str, to: str, model: ModelConfig | None, lr: float | None, hf: HFTarget,

@@ -31,3 +31,8 @@ class ShapeMismatchError(ConversionError):
 
 class CheckpointFilesError(ConversionError):
     """The directory has no checkpoint files that can be read."""
+
+
+class AdapterError(ConversionError):
+    """LoRA adapters that cannot be converted: none there, a PEFT variant zinfjax does not compute, or a module
+    zinfjax cannot map."""

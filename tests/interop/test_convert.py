@@ -332,7 +332,7 @@ def test_convert_help_explains_sources_targets_and_options():
 
     out = cli("convert", "--help")
     assert out.returncode == 0
-    for text in ("--to {zinfjax,hf}", "--mapping", "--model", "--dtype", "DeepSpeed", "state_dict", "examples:"):
+    for text in ("--to {zinfjax,hf,peft}", "--mapping", "--model", "--dtype", "DeepSpeed", "state_dict", "examples:"):
         assert text in out.stdout, text
     assert "convert" in cli("--help").stdout
 
