@@ -184,12 +184,13 @@ def _launch(args) -> int:
 
 
 def add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks that print JSON (io, step, capacity, memory, generate, versus-ds)",
-                       description="Benchmarks. Each prints one JSON object; see docs/BENCHMARKS.md.")
-    p.add_argument("name", choices=["io", "step", "capacity", "memory", "generate", "versus-deepspeed"],
+    p = sub.add_parser("bench", help="benchmarks that print JSON (io, step, capacity, memory, lora, generate, "
+                       "versus-ds)", description="Benchmarks. Each prints one JSON object; see docs/BENCHMARKS.md.")
+    p.add_argument("name", choices=["io", "step", "capacity", "memory", "lora", "generate", "versus-deepspeed"],
                    help="io: the nvme tier against raw O_DIRECT disk throughput; step: reference vs engine on "
                    "device, host and nvme tiers against the I/O floor; capacity: a state far larger than memory; "
                    "memory: gpt2-small, gpt2-large and llama-1b through zinfjax train in memory cgroups; "
+                   "lora: llama-7b's rank-16 adapters in a 3 GiB cgroup against the step's floor; "
                    "generate: tokens/s with parameters in memory, on host and on nvme at batch sizes 1, 8, 64; "
                    "versus-deepspeed: GPT-2 small under DeepSpeed ZeRO-3 and zinfjax train, NVMe, CPU and memory")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (see `zinfjax bench io -h`)")
@@ -335,18 +336,26 @@ def add_convert(sub) -> None:
         "a Hugging Face model directory (safetensors, sharded or not, or pytorch_model.bin), a DeepSpeed ZeRO save "
         "dir (stage 1, 2 or 3, any world size; its Adam state and step come along), a zinfjax checkpoint or "
         "save_dir, or a torch.save'd state_dict with --model (and --mapping when its names are not Hugging Face's). "
-        "Tensors stream one at a time, so a checkpoint larger than memory converts. Needs the torch extra "
-        "(pip install 'zinfjax[torch]').",
+        "Tensors stream one at a time, so a checkpoint larger than memory converts. LoRA: a zinfjax checkpoint with "
+        "adapters goes --to peft (adapter_config.json and adapter_model.safetensors, which peft's "
+        "PeftModel.from_pretrained loads onto the Hugging Face base) or --to hf --merge (the adapters folded into the "
+        "weights); a PEFT adapter directory converts to a zinfjax checkpoint of its adapters with --base, the zinfjax "
+        "checkpoint of its base model. Needs the torch extra (pip install 'zinfjax[torch]').",
         epilog="examples:\n"
         "  zinfjax convert path/to/gpt2 runs/gpt2          # then zinfjax.wrap(state, config, restore='runs/gpt2')\n"
         "  zinfjax convert runs/gpt2 out/gpt2-hf --to hf --dtype bf16\n"
         "  zinfjax convert ds_run/ runs/from-ds            # DeepSpeed: latest, global_stepN/*_optim_states.pt\n"
-        "  zinfjax convert ckpt.pt runs/nano --model model.json --mapping examples/mapping_nanogpt.yaml",
+        "  zinfjax convert ckpt.pt runs/nano --model model.json --mapping examples/mapping_nanogpt.yaml\n"
+        "  zinfjax convert runs/lora out/adapter --to peft       # LoRA adapters, for peft.PeftModel.from_pretrained\n"
+        "  zinfjax convert runs/lora out/merged --to hf --merge  # the adapters folded into the weights\n"
+        "  zinfjax convert out/adapter runs/lora2 --base runs/llama   # a PEFT adapter on a converted base",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="the checkpoint to read (a directory, or a .pt/.pth/.bin/.safetensors file)")
-    p.add_argument("dst", help="--to zinfjax: the save_dir to write into; --to hf: the model directory")
-    p.add_argument("--to", choices=["zinfjax", "hf"], default="zinfjax", help="the format to write (default zinfjax)")
-    p.add_argument("--from", dest="source_format", choices=["hf", "deepspeed", "zinfjax", "torch"],
+    p.add_argument("dst", help="--to zinfjax: the save_dir to write into; --to hf: the model directory; --to peft: "
+                   "the adapter directory")
+    p.add_argument("--to", choices=["zinfjax", "hf", "peft"], default="zinfjax",
+                   help="the format to write (default zinfjax); peft: a zinfjax checkpoint's LoRA adapters")
+    p.add_argument("--from", dest="source_format", choices=["hf", "deepspeed", "zinfjax", "torch", "peft"],
                    help="the source's format, when the guess from its files is not wanted")
     p.add_argument("--model", help="the model of a torch state_dict (or of a DeepSpeed run without a config.json "
                    "beside it): a named size (gpt2-tiny), a ModelConfig JSON/YAML, or a Hugging Face config.json")
@@ -358,6 +367,10 @@ def add_convert(sub) -> None:
                    "(default: the source's)")
     p.add_argument("--max-shard-size", default="5GB", help="--to hf: past this size the tensors go into shards "
                    "with a model.safetensors.index.json, as transformers writes (default 5GB)")
+    p.add_argument("--merge", action="store_true", help="--to hf from a checkpoint with LoRA adapters: fold them "
+                   "into the weights, W + (lora_alpha / lora_rank) A B")
+    p.add_argument("--base", help="a PEFT adapter's base model, as a zinfjax checkpoint or save_dir (zinfjax convert "
+                   "HF_BASE_DIR runs/base makes one); the new checkpoint holds the adapters and names this base")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_convert)
@@ -374,7 +387,7 @@ def _convert(args) -> int:
 
     out = convert(args.src, args.dst, args.to, source_format=args.source_format, model=args.model,
                   mapping=args.mapping, lr=args.lr, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                  progress=not args.quiet)
+                  progress=not args.quiet, base=args.base, merge=args.merge)
     if args.json:
         print(json.dumps(out))
     else:

@@ -59,6 +59,7 @@ class Config:
     lora_rank: int = 0  # LoRA adapters of this rank on lora_targets, the base frozen (models/lora.py); 0: none
     lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank
     lora_targets: str = "q,v"  # comma-separated: any of q, k, v, o, up, gate, down
+    lora_dropout: float = 0.0  # dropout on the adapters' input while training
     update_on: str = "auto"  # where the optimizer update runs: device, host, or auto (engine.update_location)
     recompute: str = "auto"  # rerun each layer's forward in its backward: always, never or auto (docs/engine.md)
     max_reuse_distance: int | None = None  # keep parameters for the backward; unset: what fits (engine/reuse.py)
@@ -316,6 +317,7 @@ def _validate(c: Config) -> None:
            "positive count that divides the model's d_ff and heads")
     _check(c.lora_rank >= 0, f"lora_rank={c.lora_rank} must be 0 (no adapters) or a positive rank")
     _check(math.isfinite(c.lora_alpha) and c.lora_alpha > 0, f"lora_alpha={c.lora_alpha} must be a positive number")
+    _check(0 <= c.lora_dropout < 1, f"lora_dropout={c.lora_dropout} must be at least 0 and below 1")
     _check(c.stream_tiles in STREAM_TILES,
            f"stream_tiles={c.stream_tiles!r} is not allowed; use {', '.join(STREAM_TILES)}")
     for key in ("host_buffer_bytes", "memory_limit", "sub_group_size"):
@@ -381,6 +383,8 @@ KEY_DOCS = {
     "lora_alpha": "the LoRA adapters' scale is lora_alpha / lora_rank (PEFT's lora_alpha); default 16",
     "lora_targets": "the projections that get adapters, comma-separated: any of q, k, v, o, up, gate, down "
                     "(gpt2 has no gate); default q,v",
+    "lora_dropout": "dropout on the LoRA adapters' input while training (PEFT's lora_dropout), with the step's key "
+                    "fold_in(key(seed), step); default 0",
     "update_on": "where the optimizer update runs: device, host (the host CPU, beside the optimizer state on host "
                  "or nvme: only gradients go down and the compute copy comes up) or auto (host when the optimizer "
                  "state is off an accelerator, device on the CPU backend)",

@@ -36,7 +36,7 @@ from zinfjax.errors import UserError
 from zinfjax.models.stacked import StackedLM, lm_init, lm_loss
 from zinfjax.program import InitSource, program_for
 from zinfjax.sharding import make_mesh
-from zinfjax.trainers.frozen import carried_state, check_selects, freeze
+from zinfjax.trainers.frozen import by_path, carried_state, check_selects, freeze
 
 DOCS = "docs/models.md"
 
@@ -109,7 +109,7 @@ class WrappedState:
 
 
 def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=None, restore: str | None = None,
-         batch=None, partition_rules: tuple = ()) -> WrappedState:
+         batch=None, partition_rules: tuple = (), trainable=None) -> WrappedState:
     """Wraps a Flax Linen ``TrainState`` or an NNX ``nnx.Optimizer`` for streaming training.
 
     Args:
@@ -127,6 +127,8 @@ def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=
         batch: an example batch (or ``ShapeDtypeStruct``s), to build the engine now rather than at
             the first step.
         partition_rules: tensor-parallel rules ``(path pattern, per-layer spec)`` (docs/sharding.md).
+        trainable: ``trainable(path, leaf) -> bool`` (``path``: ``"blocks/q_lora/a"``): train these alone, the rest
+            frozen (docs/engine.md, "Frozen parameters"); the optimizer starts afresh, so wrap a state at step 0.
 
     Example:
         >>> state = zinfjax.wrap(state, zinfjax.Config(params="nvme", optimizer="nvme", nvme_path="/nv"),
@@ -136,26 +138,25 @@ def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=
     """
     mesh = mesh if mesh is not None else make_mesh(config.mesh_axes())
     if _is_nnx_optimizer(state):
+        if trainable is not None:
+            raise WrapError("an nnx.Optimizer says what trains with its wrt filter (nnx.Optimizer(model, tx, "
+                            "wrt=nnx.LoRAParam)); trainable= is for a Linen TrainState")
         return _wrap_nnx(state, config, loss_fn, mesh, model, restore, batch, partition_rules)
     for attr in ("params", "tx"):
         if not hasattr(state, attr):
             raise WrapError(f"zinfjax.wrap takes a flax TrainState or an nnx.Optimizer; {type(state).__name__} has no "
                             f"{attr!r}")
-    module = getattr(getattr(state, "apply_fn", None), "__self__", None)
     if loss_fn is None:
-        if not isinstance(module, StackedLM):
-            raise WrapError("give zinfjax.wrap your loss: wrap(state, config, loss_fn=loss_fn), with "
-                            f"loss_fn(params, batch) -> scalar as you would pass it to jax.grad (see {DOCS})")
-        loss_fn, partition_rules = lm_loss(module), partition_rules or module.partition_rules
-        init_fn = init_fn or lm_init(module)
-        batch = batch if batch is not None else jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1),
-                                                                     jnp.int32)
+        loss_fn, init_fn, batch, partition_rules = _own_lm(state, config, init_fn, batch, partition_rules)
     abstract = _is_abstract(state.params)
     if abstract and init_fn is None and restore is None:
         raise WrapError("the state's params are abstract (jax.eval_shape); pass init_fn=lambda rng: "
                         "model.init(rng, example)['params'] so zinfjax initialises them one layer at a time")
     opt_state = None if abstract else getattr(state, "opt_state", None)
     step = 0 if abstract else int(getattr(state, "step", 0))
+    tx = state.tx
+    if trainable is not None:
+        tx, opt_state = _selected(state, trainable, step, opt_state)
 
     def source_for(program, plan):
         if restore is not None:
@@ -164,9 +165,29 @@ def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=
             return InitSource(program, init_fn, jax.random.key(config.seed))
         return TreeSource(program, plan, state.params, _checked_state(opt_state, plan), step)
 
-    build = _builder(loss_fn, state.params, state.tx, config, mesh, partition_rules, source_for)
+    build = _builder(loss_fn, state.params, tx, config, mesh, partition_rules, source_for)
     engine = build(batch) if batch is not None else None
     return WrappedState(build, config, engine.step_count if engine is not None else step, engine=engine)
+
+
+def _own_lm(state, config: Config, init_fn, batch, partition_rules):
+    """The loss, initialiser, batch and tensor-parallel rules of a state of zinfjax's own language models."""
+    module = getattr(getattr(state, "apply_fn", None), "__self__", None)
+    if not isinstance(module, StackedLM):
+        raise WrapError("give zinfjax.wrap your loss: wrap(state, config, loss_fn=loss_fn), with "
+                        f"loss_fn(params, batch) -> scalar as you would pass it to jax.grad (see {DOCS})")
+    batch = batch if batch is not None else jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32)
+    return lm_loss(module), init_fn or lm_init(module), batch, partition_rules or module.partition_rules
+
+
+def _selected(state, trainable, step: int, opt_state):
+    """``state.tx`` on the parameters ``trainable`` selects, no update for the rest, and its fresh state (None for
+    abstract parameters, which the engine initialises)."""
+    if step:
+        raise WrapError(f"trainable= starts the optimizer afresh, and the state is at step {step}; wrap it at step 0, "
+                        "or freeze with optax.multi_transform in its tx yourself")
+    tx = freeze(state.tx, by_path(trainable, state.params))
+    return tx, None if opt_state is None else tx.init(state.params)
 
 
 def _builder(loss_fn, params, tx, config: Config, mesh, partition_rules, source_for):
@@ -284,6 +305,10 @@ def _trained(optimizer, model, params: dict, opt_state):
               jax.tree_util.tree_flatten_with_path(nnx.state(model, wrt).to_pure_dict())[0]}
     every = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
     if chosen == every:
+        if jax.tree.leaves(nnx.state(model, nnx.LoRAParam).to_pure_dict()):
+            raise WrapError("the model has LoRA adapters (nnx.LoRAParam), but the optimizer's wrt filter selects "
+                            "every parameter, base included; make it nnx.Optimizer(model, tx, wrt=nnx.LoRAParam) to "
+                            "train the adapters alone")
         return optimizer.tx, opt_state
     def trainable(path) -> bool:
         return jax.tree_util.keystr(path) in chosen

@@ -20,6 +20,7 @@ import zinfjax
 from tests.support.engine_helpers import relative_error
 from tests.support.nnx_models import StackedLM, next_token_loss
 from zinfjax.trainers.frozen import FrozenError
+from zinfjax.wrap import WrapError
 
 LAYERS, D, VOCAB, STEPS = 3, 32, 64, 6
 
@@ -91,4 +92,11 @@ def test_a_filter_that_selects_nothing_is_refused_in_one_line(tmp_path):
     model = lora_lm(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.BatchStat)  # no parameter is a BatchStat
     with pytest.raises(FrozenError, match="selects no parameter of the model; nothing would train$"):
+        zinfjax.wrap(optimizer, zinfjax.Config(), model=model, loss_fn=next_token_loss, batch=data()[0])
+
+
+def test_a_filter_that_selects_the_base_with_the_adapters_is_refused_in_one_line():
+    model = lora_lm(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)  # LoRAParam is a Param: everything trains
+    with pytest.raises(WrapError, match="has LoRA adapters .* wrt=nnx.LoRAParam"):
         zinfjax.wrap(optimizer, zinfjax.Config(), model=model, loss_fn=next_token_loss, batch=data()[0])

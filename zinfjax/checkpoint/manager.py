@@ -89,8 +89,11 @@ class CheckpointManager:
         if jax.process_index() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         barrier(f"zinfjax-ckpt-{step}-begin")
-        parts = parts_of(engine)
+        base = getattr(engine, "base", None)  # a fine-tune's frozen base: named, not saved again
+        parts = parts_of(engine, engine.base_leaves if base else frozenset())
         meta = self._meta(engine, parts, step, data_position)
+        if base:
+            meta["base"] = base
         snapshot = Snapshot(tmp, _staging_dir(engine, step))
         try:
             snapshot.take(parts)
@@ -239,7 +242,8 @@ def _write_metadata(tmp: str, parts: list[Part], meta: dict) -> None:
             os.makedirs(leaf_dir, exist_ok=True)
             fmt.write_json(os.path.join(leaf_dir, "zarr.json"), fmt.zarr_metadata(leaf.meta))
             keys[part.item][leaf.name] = leaf.keypath
-    for item, leaves in keys.items():
+    for item, leaves in keys.items():  # an item may hold no leaf (an adapter converted without optimizer state)
+        os.makedirs(os.path.join(tmp, item), exist_ok=True)
         fmt.write_json(os.path.join(tmp, item, fmt.ORBAX_METADATA), fmt.orbax_metadata(leaves))
     fmt.write_json(os.path.join(tmp, fmt.META), meta)
 

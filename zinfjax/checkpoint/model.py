@@ -41,3 +41,9 @@ def resolve_model(spec: str) -> ModelConfig:
     if os.path.isdir(spec):
         return checkpoint_model(spec)[1]
     return ModelConfig.resolve(spec)
+
+
+def start_checkpoint(spec: str) -> str | None:
+    """The checkpoint a fresh run of the model ``spec`` starts from: the newest in ``spec`` when it is a checkpoint
+    directory (a converted model, an earlier run), else None (the model's own initialiser)."""
+    return checkpoint_model(spec)[0] if os.path.isdir(spec) else None

@@ -51,6 +51,8 @@ META_SCHEMA = {
         "config": {"type": "object"},
         "model": {"type": ["object", "null"]},
         "run_id": {"type": "string", "minLength": 1},
+        "base": {"type": "object", "required": ["path", "digest"],
+                 "properties": {"path": {"type": "string", "minLength": 1}, "digest": {"type": "string"}}},
         "tiers": {"type": "object", "additionalProperties": _TIER},
         "items": {
             "type": "object",

@@ -56,9 +56,16 @@ class Part:
     stream: object = None
     arrays: list | None = None
     streams: list | None = None  # each leaf's stream, where they differ (the leaves of a group of tiles)
+    slots: list[int] | None = None  # each leaf's index among its store's leaves (None: the store's leaves in order)
 
     def stream_of(self, k: int):
         return self.streams[k] if self.streams is not None else self.stream
+
+    def position(self, k: int) -> int | None:
+        """Which of this part's leaves is the store's leaf ``k`` (None: the part does not save it)."""
+        if self.slots is None:
+            return k
+        return self.slots.index(k) if k in self.slots else None
 
 
 def leaf_name(path: str) -> str:
@@ -76,34 +83,43 @@ def _chunk_shape(lay, stream) -> tuple:
 
 
 def _part(item: str, group: str, store, entries: list, streams: dict) -> Part:
-    """A part whose store leaves are ``entries``: ``(store key, full shape, plain key path)``, cut as ``streams``
-    (by store key) says."""
+    """A part of the store leaves ``entries``: ``(store key, full shape, plain key path)``, cut as ``streams``
+    (by store key) says; the store's other leaves are not saved."""
     by_key = {key: (shape, keys) for key, shape, keys in entries}
     order = [path for path, _ in _store_keys(store)]
+    slots = [k for k, key in enumerate(order) if key in by_key]
     leaves = []
-    for key, lay in zip(order, store.layouts, strict=True):
+    for k in slots:
+        key, lay = order[k], store.layouts[k]
         shape, keys = by_key[key]
         stream = streams[key]
         stacked = stream is not None and stream.rows == 0
         leaves.append(Leaf(item, leaf_name(key), keys, leaf_metadata(shape, lay.dtype, _chunk_shape(lay, stream)),
                            stacked))
-    ordered = [streams[key] for key in order]
-    return Part(item, group, store, leaves, ordered[0] if ordered else None, streams=ordered)
+    ordered = [streams[order[k]] for k in slots]
+    return Part(item, group, store, leaves, ordered[0] if ordered else None, streams=ordered,
+                slots=None if len(slots) == len(order) else slots)
 
 
 def _store_keys(store) -> list:
     return [(str(path[0].key), x) for path, x in jax.tree_util.tree_flatten_with_path(store.like)[0]]
 
 
-def parts_of(engine) -> list[Part]:
-    """Every part of a checkpoint: parameters (fp32 masters, if any), optimizer state by group, and its globals."""
+def parts_of(engine, frozen: frozenset = frozenset()) -> list[Part]:
+    """Every part of a checkpoint: parameters (fp32 masters where they are kept, else the compute copy), optimizer
+    state by group, and its globals; the leaves ``frozen`` names (a fine-tune's base, kept elsewhere) are not saved.
+    """
     program, plan, s = engine.program, engine.update_plan, engine.stores
-    params = s.master or s.params
     parts = []
     for g in program.groups.values():
-        leaves = program.leaves_of(g.name)
+        leaves = [x for x in program.leaves_of(g.name) if x.index not in frozen]
         streams = {x.path: x.stream for x in leaves}
-        parts.append(_part("params", g.name, params[g.name], [(x.path, x.shape, x.keys) for x in leaves], streams))
+        master = (s.master or {}).get(g.name)
+        mastered = [x for x in leaves if master is not None and x.path in master.like]
+        rest = [x for x in leaves if x not in mastered]  # a frozen leaf without a master: its compute copy
+        for store, chosen in ((master, mastered), (s.params.get(g.name), rest)):
+            if chosen:
+                parts.append(_part("params", g.name, store, [(x.path, x.shape, x.keys) for x in chosen], streams))
         state = plan.state_of(g.name)
         if state:  # in the user's layout: a tiled leaf's state has its parameter's shape
             entries = [(x.path, plan.user_shape(x), x.keys) for x in state]
@@ -159,9 +175,11 @@ class Snapshot:
         store = part.store
         for i in range(store.num_layers):
             for k, shard, src in store.chunk_files(i):
-                lay = store.layouts[k]
-                dst = self._chunk(part, k, chunk_index(part.stream_of(k), i, shard_grid(shard, lay), lay.shard_shape,
-                                                       lay.layer_shape))
+                lay, at = store.layouts[k], part.position(k)
+                if at is None:
+                    continue
+                dst = self._chunk(part, at, chunk_index(part.stream_of(at), i, shard_grid(shard, lay),
+                                                        lay.shard_shape, lay.layer_shape))
                 if self.staged or not self._try_link(src, dst):
                     staged = os.path.join(self.staging, os.path.relpath(dst, self.root))
                     self._makedirs(os.path.dirname(staged))
@@ -218,7 +236,9 @@ class Snapshot:
                 if i >= len(layers) or layers[i] is None:
                     continue
                 for k, x in enumerate(layers[i]):
-                    self._write_array(part, k, i, x)
+                    at = part.position(k)
+                    if at is not None:
+                        self._write_array(part, at, i, x)
                 layers[i] = None
                 if part.store is not None:
                     part.store.saved(i)

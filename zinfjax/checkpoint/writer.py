@@ -76,13 +76,14 @@ class CheckpointWriter:
     """A checkpoint at ``<save_dir>/<step>`` written leaf by leaf, visible only after `commit`.
 
     ``config`` (a `Config`) and ``model`` (a `ModelConfig`) are recorded for ``zinfjax ckpt info``
-    and for resuming; ``data_position`` is where a resumed run takes its next batch.
+    and for resuming; ``data_position`` is where a resumed run takes its next batch. ``base``
+    (`zinfjax.checkpoint.base.base_ref`) names the frozen base of a checkpoint that holds adapters alone.
     """
 
     def __init__(self, save_dir: str, step: int, leaves: dict[str, dict[str, Leaf]], config=None, model=None,
-                 data_position: int = 0):
+                 data_position: int = 0, base: dict | None = None):
         self.save_dir, self.step, self.leaves = os.path.abspath(save_dir), int(step), leaves
-        self.config, self.model, self.data_position = config, model, data_position
+        self.config, self.model, self.data_position, self.base = config, model, data_position, base
         self.tmp = os.path.join(self.save_dir, f".tmp-{self.step}")
         shutil.rmtree(self.tmp, ignore_errors=True)
         os.makedirs(self.tmp)
@@ -147,7 +148,7 @@ class CheckpointWriter:
 
         blocks = [leaf for leaf in self.leaves["params"].values() if leaf.stacked]
         config = self.config.to_dict() if self.config is not None else {}
-        return {
+        meta = {
             "format_version": fmt.FORMAT_VERSION, "step": self.step, "data_position": self.data_position,
             "seed": config.get("seed", 0), "loss_scale": 1.0, "precision": config.get("precision", "fp32"),
             "num_layers": blocks[0].meta["shape"][0] if blocks else 0, "processes": 1, "devices": 0,
@@ -156,6 +157,7 @@ class CheckpointWriter:
             "tiers": {"converted": {"bytes": nbytes("params") + nbytes("opt_state"), "stores": list(fmt.ITEMS)}},
             "items": {item: {n: leaf.meta for n, leaf in leaves.items()} for item, leaves in self.leaves.items()},
         }
+        return {**meta, "base": self.base} if self.base else meta
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -29,10 +29,11 @@ from zinfjax.engine._step_io import StepIO
 from zinfjax.engine.budget import LIVE_BASE, NVME_MMAP_THRESHOLD, MemoryBudgetError, memory_capped
 from zinfjax.engine.compile_cache import Compiled, compiled
 from zinfjax.engine.engine_plan import EnginePlan, PlanInputs, plan_engine, update_location
+from zinfjax.engine.in_place import in_place_leaves
 from zinfjax.engine.loss_scale import LossScale
 from zinfjax.engine.parts import fill_parts
 from zinfjax.engine.readahead import ReadAhead
-from zinfjax.engine.stores import build_stores, spools_gradients, store_specs, tied_groups
+from zinfjax.engine.stores import build_stores, spools_gradients, store_specs, tied_groups, written_alone
 from zinfjax.engine.telemetry import StepTelemetry
 from zinfjax.engine.writebehind import WriteBehind
 from zinfjax.errors import UserError
@@ -155,9 +156,10 @@ class Engine:
         self.reuse = planned.reuse
         self.handoff = planned.handoff  # not "carry": that is a scan's loop carry
         self.handed_over = reuse.Held()  # the compute copies the last step's updates handed to the next forward
-        # While the state is written at the start, no step holds its operations' memory: writes may use it.
-        fill_bound = self.budget.write_bytes_in_flight + LIVE_BASE * planned.needs[0]
+        # While the state is written at the start, no step holds its operations' memory: writes may use it while
+        # memory is plentiful. Under a cap, computing the state takes it: the writes keep the step's own bound.
         self.capped = config.uses_nvme and memory_capped(config, self.budget)
+        fill_bound = self.budget.write_bytes_in_flight + (0 if self.capped else LIVE_BASE * planned.needs[0])
         if self.capped:  # freed layer buffers leave the heap at once (docs/design.md, invariant 2)
             allocator.tune_allocator(mmap_threshold=NVME_MMAP_THRESHOLD, trim_threshold=allocator.GLIBC_TRIM_THRESHOLD)
         self.config = config = config.replace(prefetch_depth=self.budget.prefetch_depth,
@@ -167,7 +169,14 @@ class Engine:
         self._behind = WriteBehind(fill_bound, config.prefetch_depth)  # the computations and writes in flight
         self._telemetry: StepTelemetry | None = None
         self._steps_run = 0
-        self.stores = build_stores(config, specs, acts, self.parts, self.host_kind)
+        # A fine-tune's frozen base, read from a checkpoint: its leaves stay there (read in place where its chunks
+        # are the store's, `zinfjax.engine.in_place`), and the run's checkpoints name it instead of saving them.
+        held = source.base_leaves() if hasattr(source, "base_leaves") else frozenset()
+        self.base_leaves = frozenset(held & self.update_plan.frozen)
+        self.base = source.base if self.base_leaves else None
+        self.in_place = in_place_leaves(config, program, source, self.base_leaves, self.placement, self.compute_dtype)
+        alone = written_alone(program, self.update_plan, self.spools_gradients, self.platform)
+        self.stores = build_stores(config, specs, acts, self.parts, self.host_kind, self.in_place, alone)
         self.interrupted_step = crash_marker.interrupted(config)
         try:
             self._fill(source)
@@ -205,31 +214,60 @@ class Engine:
         given = source.globals()
         self.globals = list(given) if given is not None else self.update_plan.init_globals()
         for g in self.program.groups.values():
-            leaves = self.program.leaves_of(g.name)
+            in_place = frozenset(self.in_place.get(g.name, ()))  # already in their store: neither read nor written
             for i in range(g.length):
-                params = dict(zip([leaf.path for leaf in leaves], source.params(g.name, i), strict=True))
                 given_state = source.state(g.name, i)
                 if given_state is not None:
                     order = [st.path for st in self.update_plan.state_of(g.name)]
                     given_state = dict(zip(order, given_state, strict=True))
                 for part in fill_parts(self.program, self.update_plan, self.parts, g.name):
                     paths, state_paths = self.units.paths(g.name, part and part.leaves)
+                    params = self._fill_source(source, g.name, i, paths, in_place)
                     compute, master, state = self.units.init(g.name, self.units.size(g.name, i), part and part.leaves)(
-                        [params.pop(p) for p in paths], self.units.start(g.name, i))
+                        [params[p] for p in paths], self.units.start(g.name, i))
                     if given_state is not None:
                         state = [given_state[p] for p in state_paths]
                     keys = part and part.params
-                    self._write("fill", s.params[g.name], i, dict(zip(paths, compute, strict=True)), keys)
-                    if s.master:
-                        self._write("fill", s.master[g.name], i, dict(zip(paths, master, strict=True)), keys)
+                    self._fill_params(g.name, i, dict(zip(paths, compute, strict=True)), keys, in_place)
+                    self._fill_master(g.name, i, dict(zip(paths, master, strict=True)), keys)
                     if state_paths:
                         self._write("fill", s.opt[g.name], i, dict(zip(state_paths, state, strict=True)),
                                     part and part.state)
+                    if self.capped:  # one part computing at a time: its intermediates go before the next begins
+                        jax.block_until_ready((compute, master, state))
             s.flush()
         self._behind.bound = self.budget.write_bytes_in_flight
         if self.loss_scale.enabled and source.loss_scale is not None:
             self.loss_scale.scale = float(source.loss_scale)
             self.loss_scale.good = int(source.loss_scale_good)
+
+    def _fill_source(self, source, group: str, i: int, paths: list, in_place: frozenset) -> dict:
+        """The parameters ``paths`` of unit ``i`` from ``source`` (only those, one part at a time: the fill holds a
+        part, not a layer); zeros stand in for those read in place, which are never written."""
+        leaves = {leaf.path: leaf for leaf in self.program.leaves_of(group)}
+        asked = frozenset(p for p in paths if p not in in_place)
+        whole = len(paths) == len(leaves) and not in_place
+        given = dict(zip(leaves, source.params(group, i) if whole else source.params(group, i, asked), strict=True))
+        return {p: np.zeros(leaves[p].slice_shape, leaves[p].dtype) if p in in_place else given[p] for p in paths}
+
+    def _fill_params(self, group: str, i: int, compute: dict, keys, in_place: frozenset) -> None:
+        """Writes the compute copies of unit ``i`` but those read in place."""
+        if in_place:
+            compute = {p: x for p, x in compute.items() if p not in in_place}
+            keys = tuple(keys or self.stores.params[group].like)
+            keys = tuple(p for p in keys if p in compute)
+            if not keys:
+                return
+        self._write("fill", self.stores.params[group], i, compute, keys)
+
+    def _fill_master(self, group: str, i: int, master: dict, keys) -> None:
+        """Writes the fp32 masters of the leaves that keep one (`zinfjax.engine.stores.masterless`)."""
+        store = (self.stores.master or {}).get(group)
+        if store is None:
+            return
+        kept = {p: x for p, x in master.items() if p in store.like}
+        if kept:
+            self._write("fill", store, i, kept, keys and tuple(p for p in keys if p in kept))
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -327,11 +365,14 @@ class Engine:
 
     def params(self, kind: str = "master"):
         """The whole parameter tree in the user's layout (``master``: fp32 under mixed precision), gathered."""
-        kind = kind if kind == "params" or self.stores.master else "params"
         flat = [None] * len(self.program.leaves)
         for g in self.program.groups.values():
             leaves = self.program.leaves_of(g.name)
-            got = self._gather(kind, g.name, [leaf.path for leaf in leaves])
+            store = self.stores.kind(kind).get(g.name) if kind == "master" else None  # a frozen leaf may have none
+            mastered = [leaf.path for leaf in leaves if store is not None and leaf.path in store.like]
+            got = self._gather("master", g.name, mastered) if mastered else {}
+            rest = [leaf.path for leaf in leaves if leaf.path not in got]
+            got.update(self._gather("params", g.name, rest) if rest else {})
             for leaf in leaves:
                 flat[leaf.index] = unslice(leaf, got[leaf.path])
         return jax.tree_util.tree_unflatten(self.program.params_tree, flat)

@@ -15,7 +15,7 @@ from zinfjax.config import Config
 from zinfjax.engine import reuse
 from zinfjax.engine.budget import LIVE_BASE, Budget, MemoryBudgetError, fits_device, make_budget
 from zinfjax.engine.parts import trainable_parts, update_parts
-from zinfjax.engine.stores import StoreSpec, budget_needs, slice_bytes
+from zinfjax.engine.stores import StoreSpec, budget_needs, slice_bytes, written_alone
 from zinfjax.program.optimizer import UpdatePlan
 from zinfjax.program.split import Program
 
@@ -79,8 +79,10 @@ def plan_memory(inputs: PlanInputs) -> EnginePlan:
     """
     config, specs, acts, platform = inputs.config, inputs.specs, inputs.acts, inputs.platform
     parts = update_parts(inputs.program, inputs.update_plan, specs, inputs.spools_gradients, config.sub_group_size)
+    alone = written_alone(inputs.program, inputs.update_plan, inputs.spools_gradients, platform)
     if parts and not config.sub_group_size:
-        whole = budget_needs(specs, acts, platform)
+        whole = budget_needs(specs, acts, platform, trainable_parts(inputs.program, inputs.update_plan,
+                                                                    inputs.spools_gradients), alone)
         try:
             plan, saves = _plan_recompute(inputs, *whole)
         except MemoryBudgetError:
@@ -88,7 +90,7 @@ def plan_memory(inputs: PlanInputs) -> EnginePlan:
         if plan is not None and not plan.lean:  # whole layers; a layer with frozen leaves updates its others alone
             kept = trainable_parts(inputs.program, inputs.update_plan, inputs.spools_gradients)
             return EnginePlan(kept, plan, whole, saves)
-    needs = budget_needs(specs, acts, platform, parts)
+    needs = budget_needs(specs, acts, platform, parts, alone)
     plan, saves = _plan_recompute(inputs, *needs)
     return EnginePlan(parts, plan, needs, saves)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from zinfjax.engine.stores import StoreSpec, leaf_slice_bytes, slice_bytes
+from zinfjax.engine.stores import StoreSpec, leaf_slice_bytes, slice_bytes, updated_apart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,14 +76,8 @@ def update_parts(program, plan, specs: list[StoreSpec], spooled: bool,
 def trainable_parts(program, plan, spooled: bool) -> dict[str, list[Part]]:
     """The streamed groups that hold frozen leaves (`UpdatePlan.frozen`) besides trainable ones, each updated as one
     part of its trainable leaves: its frozen leaves are never updated nor written (where the update is fused)."""
-    if spooled:
-        return {}
-    out = {}
-    for g in program.streamed_groups():
-        trainable = _trainable(plan, g)
-        if 0 < len(trainable) < len(g.leaves) and g.sub is None and plan.separable(g.name):
-            out[g.name] = [_part(program, plan, g.name, trainable)]
-    return out
+    return {g.name: [_part(program, plan, g.name, _trainable(plan, g))] for g in program.streamed_groups()
+            if updated_apart(program, plan, g, spooled)}
 
 
 def _trainable(plan, group) -> tuple[int, ...]:
@@ -91,14 +85,14 @@ def _trainable(plan, group) -> tuple[int, ...]:
 
 
 def fill_parts(program, plan, parts: dict, group: str) -> list:
-    """What the initial fill of ``group`` writes, part by part: its update parts, and one more of the leaves in none
-    (frozen ones, `trainable_parts`); ``[None]``, the whole unit at once, for a group updated whole."""
-    cut = parts.get(group)
-    if not cut:
+    """What the initial fill of ``group`` writes, part by part: its update parts, then each leaf in none (frozen
+    ones, `trainable_parts`, which no update reads together) alone, as every leaf of a wholly frozen group; ``[None]``,
+    the whole unit at once, for a group updated whole."""
+    cut = parts.get(group) or []
+    if not cut and not plan.frozen_group(group):
         return [None]
     covered = {k for p in cut for k in p.leaves}
-    rest = tuple(k for k in program.groups[group].leaves if k not in covered)
-    return cut + [_part(program, plan, group, rest)] if rest else cut
+    return cut + [_part(program, plan, group, (k,)) for k in program.groups[group].leaves if k not in covered]
 
 
 def _part(program, plan, group: str, leaves: tuple[int, ...]) -> Part:

@@ -35,8 +35,9 @@ class Source(Protocol):
     loss_scale: float | None
     loss_scale_good: int
 
-    def params(self, group: str, i: int) -> list:
-        """Unit ``i`` of ``group``: its leaves in store layout."""
+    def params(self, group: str, i: int, only: frozenset | None = None) -> list:
+        """Unit ``i`` of ``group``: its leaves in store layout (None for those ``only``, a set of paths, leaves out:
+        a source computes or reads no more than it is asked for)."""
 
     def state(self, group: str, i: int) -> list | None:
         """Unit ``i``'s optimizer state, or None for the optimizer's own ``init``."""
@@ -58,8 +59,9 @@ class TreeSource:
         self._state = None if opt_state is None else plan.state_tree.flatten_up_to(opt_state)
         self.loss_scale, self.loss_scale_good = None, 0
 
-    def params(self, group: str, i: int) -> list:
-        return [store_slice(leaf, self._params[leaf.index], i) for leaf in self.program.leaves_of(group)]
+    def params(self, group: str, i: int, only: frozenset | None = None) -> list:
+        return [store_slice(leaf, self._params[leaf.index], i) if only is None or leaf.path in only else None
+                for leaf in self.program.leaves_of(group)]
 
     def state(self, group: str, i: int) -> list | None:
         if self._state is None:

@@ -107,11 +107,13 @@ def stacked(length: int, slice_shape, dtype, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((length, *slice_shape), dtype, sharding=sharding)
 
 
-def plan_stores(config: Config, program, plan, placement, compute_dtype, spooled: set[str]) -> list[StoreSpec]:
+def plan_stores(config: Config, program, plan, placement, compute_dtype, spooled: set[str],
+                masterless: frozenset = frozenset()) -> list[StoreSpec]:
     """Every store as a `StoreSpec`, before anything is opened.
 
-    ``spooled`` names the groups that need a gradient store. A tensor-parallel split that does not
-    divide is refused here, before any store is opened.
+    ``spooled`` names the groups that need a gradient store; ``masterless`` the frozen leaves that keep no fp32
+    master under mixed precision (`masterless`). A tensor-parallel split that does not divide is refused here,
+    before any store is opened.
     """
     mixed = compute_dtype != jnp.float32
     specs = []
@@ -123,8 +125,9 @@ def plan_stores(config: Config, program, plan, placement, compute_dtype, spooled
                                        placement.stacked(kind, leaf.path, leaf.slice_shape)) for leaf in leaves}
 
         specs.append(StoreSpec("params", g.name, config.params, tree("params", compute_dtype)))
-        if mixed:
-            specs.append(StoreSpec("master", g.name, config.optimizer, tree("master", jnp.float32)))
+        kept = [leaf for leaf in leaves if leaf.index not in masterless]
+        if mixed and kept:
+            specs.append(StoreSpec("master", g.name, config.optimizer, tree("master", jnp.float32, kept)))
         if g.name in spooled:
             specs.append(StoreSpec("grads", g.name, config.gradients, tree("grads", jnp.float32)))
         state = plan.state_of(g.name)
@@ -171,14 +174,15 @@ def leaf_slice_bytes(spec: StoreSpec, path: str) -> int:
 
 
 def budget_needs(specs: list[StoreSpec], acts: list[StoreSpec], platform: str,
-                 parts: dict | None = None) -> tuple[int, int, int]:
+                 parts: dict | None = None, alone: frozenset = frozenset()) -> tuple[int, int, int]:
     """``(read, write, resident)`` bytes for the memory budget: the largest operation's reads (a group's
     slices of every kind and an activation), the largest slice staged for a write, and the state held
     whole in host memory (the host tier, and the device tier where the device is the host).
 
     ``parts`` (`zinfjax.engine.parts.update_parts`: `Part` lists by group) are the groups updated a
     part at a time: their backward reads the compute copy (and spooled gradients), each part its
-    leaves' master and state, and writes stage one part at a time.
+    leaves' master and state, and writes stage one part at a time. ``alone`` (`written_alone`): leaves whose
+    writes stage one at a time.
     """
     parts = parts or {}
     per_group: dict[str, int] = {}
@@ -191,55 +195,77 @@ def budget_needs(specs: list[StoreSpec], acts: list[StoreSpec], platform: str,
             got = sum(leaf_slice_bytes(s, k) for s in by_kind.values() for k in part.keys(s.kind))
             per_group[group] = max(per_group[group], got)
     read = max(per_group.values(), default=0) + max((slice_bytes(a) for a in acts), default=0)
-    write = largest_staged(specs + acts, parts)
+    write = largest_staged(specs + acts, parts, alone)
     in_memory = ("host", "device") if platform == "cpu" else ("host",)
     resident = sum(_nbytes(s.like) for s in specs + acts if s.tier in in_memory)
     return read, write, resident
 
 
-def staged(spec: StoreSpec, parts: dict) -> list[dict]:
+def staged(spec: StoreSpec, parts: dict, alone: frozenset = frozenset()) -> list[dict]:
     """What one read or write of ``spec``'s store stages at most: a whole slice, or for the master and
-    state of a group updated in parts, each part (its compute copy is still read whole)."""
-    if spec.group not in parts or spec.kind not in ("master", "opt"):
-        return [spec.like]
-    return [{k: spec.like[k] for k in part.keys(spec.kind)} for part in parts[spec.group]]
+    state of a group updated in parts, each part (its compute copy is still read whole); each leaf of
+    ``alone`` by itself (`written_alone`), and then the compute copy's writes by part too."""
+    solo = [{k: x} for k, x in spec.like.items() if k in alone]
+    rest = {k: x for k, x in spec.like.items() if k not in alone}
+    by_part = spec.group in parts and (spec.kind in ("master", "opt") or (solo and spec.kind == "params"))
+    cut = [{k: rest[k] for k in part.keys(spec.kind) if k in rest} for part in parts[spec.group]] if by_part else [rest]
+    return [c for c in cut if c] + solo
 
 
-def largest_staged(specs: list[StoreSpec], parts: dict) -> int:
+def largest_staged(specs: list[StoreSpec], parts: dict, alone: frozenset = frozenset()) -> int:
     """The host buffer bytes the largest read or write of the nvme stores stages."""
-    return max((staging_bytes(like) for s in specs if s.tier == "nvme" and s.like for like in staged(s, parts)),
-               default=0)
+    return max((staging_bytes(like) for s in specs if s.tier == "nvme" and s.like
+                for like in staged(s, parts, alone)), default=0)
+
+
+def written_alone(program: Program, plan: UpdatePlan, spooled: bool, platform: str) -> frozenset[str]:
+    """The leaves (paths) whose store traffic stages one leaf at a time: on the CPU, where reads stage nothing
+    (they land in arrays of their own), the frozen leaves no update writes (`masterless`), which the initial
+    fill writes one by one (`zinfjax.engine.parts.fill_parts`)."""
+    if platform != "cpu":
+        return frozenset()
+    return frozenset(program.leaves[k].path for k in masterless(program, plan, spooled))
 
 
 def _nbytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def preflight(config: Config, specs: list[StoreSpec], parts: dict | None = None) -> None:
-    """Before anything is written: the path is writable, can hold the state, and one slice fits the buffers."""
+def preflight(config: Config, specs: list[StoreSpec], parts: dict | None = None, in_place: dict | None = None,
+              alone: frozenset = frozenset()) -> None:
+    """Before anything is written: the path is writable, can hold the state (but the leaves read ``in_place``),
+    and one slice fits the buffers."""
     on_nvme = [s.like for s in specs if s.tier == "nvme" and s.like]
     if not on_nvme:
         return
-    layer = largest_staged(specs, parts or {})
+    layer = largest_staged(specs, parts or {}, alone)
     if layer > config.host_buffer_bytes:
         raise BufferBudgetError(
             f"host_buffer_bytes={config.host_buffer_bytes} cannot hold one layer: the largest layer needs "
             f"{layer} bytes; raise host_buffer_bytes to at least {layer}"
         )
     prepare_directory(config.nvme_path)
-    check_free_space(config.nvme_path, sum(_nbytes(like) for like in on_nvme))
+    kept = in_place or {}
+    written = [{p: x for p, x in s.like.items() if not (s.kind == "params" and p in kept.get(s.group, {}))}
+               for s in specs if s.tier == "nvme" and s.like]
+    check_free_space(config.nvme_path, sum(_nbytes(like) for like in written))
 
 
 def build_stores(config: Config, specs: list[StoreSpec], acts: dict[int, StoreSpec],
-                 parts: dict | None = None, host_kind: str | None = None) -> EngineStores:
+                 parts: dict | None = None, host_kind: str | None = None,
+                 in_place: dict | None = None, alone: frozenset = frozenset()) -> EngineStores:
     """Checks the specs against the disk and the buffer budget, then opens every store (empty), the host
-    tier's in its memory kind ``host_kind`` (default: `zinfjax.store.layout.host_tier_kind`)."""
-    preflight(config, specs + list(acts.values()), parts)
+    tier's in its memory kind ``host_kind`` (default: `zinfjax.store.layout.host_tier_kind`), and the params
+    leaves ``in_place`` names (``{group: {path: directory}}``, `zinfjax.engine.in_place`) where they are."""
+    in_place = in_place or {}
+    preflight(config, specs + list(acts.values()), parts, in_place, alone)
     pool = staging_pool(config.host_buffer_bytes)
     opened: dict[str, dict[str, LayerStore]] = {}
 
     def open_one(spec: StoreSpec) -> LayerStore:
-        options = SCRATCH_NVME if spec.tier == "nvme" else {}
+        options = dict(SCRATCH_NVME) if spec.tier == "nvme" else {}
+        if spec.kind == "params" and spec.group in in_place:
+            options["in_place"] = in_place[spec.group]
         return open_store(spec.tier, spec.like, path=config.nvme_path, name=spec.name, pool=pool,
                           host_kind=host_kind, **options)
 
@@ -262,6 +288,23 @@ def spools_gradients(config: Config, plan: UpdatePlan) -> bool:
     return plan.sweeps > 1 or config.precision == "fp16"
 
 
+def updated_apart(program: Program, plan: UpdatePlan, group, spooled: bool) -> bool:
+    """Whether ``group`` holds frozen leaves besides trainable ones and its fused update takes the trainable ones
+    alone (`zinfjax.engine.parts.trainable_parts`): its frozen leaves are never read by an update nor written."""
+    trainable = [k for k in group.leaves if k not in plan.frozen]
+    return (not spooled and group.streamed and 0 < len(trainable) < len(group.leaves) and group.sub is None
+            and plan.separable(group.name))
+
+
+def masterless(program: Program, plan: UpdatePlan, spooled: bool) -> frozenset[int]:
+    """The frozen leaves that keep no fp32 master under mixed precision: those no update reads, in wholly frozen
+    groups and in groups updated apart (`updated_apart`). Their compute copy is all there is of them. (Where the
+    gradients are spooled, a mixed group's sweep still reads every leaf's master.)"""
+    return frozenset(k for g in program.groups.values()
+                     if plan.frozen_group(g.name) or updated_apart(program, plan, g, spooled)
+                     for k in g.leaves if k in plan.frozen)
+
+
 def tied_groups(program: Program) -> dict[str, int]:
     """Streamed groups whose leaves other scans also stream: how many scans contribute to their gradients."""
     out: dict[str, int] = {}
@@ -275,7 +318,8 @@ def tied_groups(program: Program) -> dict[str, int]:
 
 def store_specs(config: Config, program: Program, plan: UpdatePlan, placement: Placement, compute_dtype):
     """Every store of an engine before it opens them: the state's `StoreSpec` list and the activations' by scan."""
-    spooled = set(program.groups) if spools_gradients(config, plan) else set(tied_groups(program))
-    specs = plan_stores(config, program, plan, placement, compute_dtype, spooled)
+    spools = spools_gradients(config, plan)
+    spooled = set(program.groups) if spools else set(tied_groups(program))
+    specs = plan_stores(config, program, plan, placement, compute_dtype, spooled, masterless(program, plan, spools))
     acts = {s.position: acts_spec(config, s, placement, config.grad_accum) for s in program.scans()}
     return specs, acts

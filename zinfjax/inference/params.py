@@ -19,6 +19,7 @@ import tensorstore as ts
 
 from zinfjax._util.choices import COMPUTE_DTYPES, GROUPS
 from zinfjax.checkpoint import format as fmt
+from zinfjax.checkpoint.base import check_base
 from zinfjax.checkpoint.errors import CheckpointError
 from zinfjax.checkpoint.manager import latest_checkpoint
 from zinfjax.config import Config
@@ -63,6 +64,9 @@ class ParamStores:
     @classmethod
     def from_checkpoint(cls, path: str, abstract, config: Config) -> ParamStores:
         directory = latest_checkpoint(path)
+        meta = fmt.read_meta(directory)
+        # A fine-tune's checkpoint holds its adapters; the frozen base it names (digest checked) the rest.
+        dirs = [directory] + ([check_base(meta["base"], directory)] if meta.get("base") else [])
         ps = cls(abstract, config)
         for g in GROUPS:
             paths = jax.tree_util.tree_flatten_with_path(abstract[g])[0]
@@ -70,8 +74,8 @@ class ParamStores:
             arrays = []
             for keypath, _ in paths:
                 name = ".".join(str(k) for k in fmt.key_path(g, keypath))
-                leaf_dir = os.path.join(directory, "params", name)
-                if not os.path.isdir(leaf_dir):
+                leaf_dir = next((d for d in (os.path.join(x, "params", name) for x in dirs) if os.path.isdir(d)), None)
+                if leaf_dir is None:
                     raise CheckpointError(f"{directory} has no parameter {name}: it was saved from another model")
                 arrays.append(ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": leaf_dir}},
                                       open=True).result())

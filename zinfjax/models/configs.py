@@ -42,6 +42,7 @@ class ModelConfig:
     lora_rank: int = 0  # LoRA adapters of this rank beside the targeted projections (models/lora.py); 0: none
     lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank
     lora_targets: tuple[str, ...] = ("q", "v")  # any of models/lora.py's TARGETS
+    lora_dropout: float = 0.0  # dropout on the adapters' input while training (PEFT's lora_dropout)
 
     @property
     def head_dim(self) -> int:
@@ -119,6 +120,8 @@ def check_lora(c: ModelConfig) -> None:
     if c.lora_rank < 0:
         raise ConfigError(f"lora_rank={c.lora_rank} must be 0 (no adapters) or a positive rank")
     check_targets(c.arch, c.lora_targets)
+    if not 0 <= c.lora_dropout < 1:
+        raise ConfigError(f"lora_dropout={c.lora_dropout} must be at least 0 and below 1")
     if c.tiles != 1:
         raise ConfigError(f"lora_rank={c.lora_rank} with tiles={c.tiles}: LoRA adapters run in untiled blocks; "
                           "set tiles=1")

@@ -60,16 +60,23 @@ def _a_init(n_in: int):
 
 
 class LoRA(nn.Module):
-    """The adapter of one projection: ``(alpha / rank) * (x A) B`` over ``x``'s last ``in_axes`` axes."""
+    """The adapter of one projection: ``(alpha / rank) * (dropout(x) A) B`` over ``x``'s last ``in_axes`` axes.
+
+    Dropout (``rate``, PEFT's ``lora_dropout``) applies while training: when the model is applied with a
+    ``dropout`` rng (`zinfjax.models.stacked.lm_loss`); evaluation and generation pass none.
+    """
 
     features: tuple[int, ...]
     rank: int
     alpha: float
     in_axes: int = 1
     dtype: Any = jnp.float32
+    rate: float = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.rate:
+            x = nn.Dropout(self.rate, deterministic=not self.has_rng("dropout"))(x)
         in_shape = x.shape[-self.in_axes:]
         a = self.param("a", _a_init(math.prod(in_shape)), (*in_shape, self.rank))
         b = self.param("b", nn.initializers.zeros_init(), (self.rank, *self.features))
@@ -85,7 +92,8 @@ def adapted(config, target: str, y: jax.Array, x: jax.Array, features, in_axes: 
         return y
     name = MODULES[config.arch][target] + SUFFIX
     features = tuple(features) if isinstance(features, tuple) else (features,)
-    return y + LoRA(features, config.lora_rank, config.lora_alpha, in_axes, dtype, name=name)(x).astype(y.dtype)
+    adapter = LoRA(features, config.lora_rank, config.lora_alpha, in_axes, dtype, config.lora_dropout, name=name)
+    return y + adapter(x).astype(y.dtype)
 
 
 def is_adapter(path) -> bool:

@@ -17,17 +17,28 @@ from zinfjax.program.residuals import keep_products
 
 @functools.cache
 def lm_loss(model: nn.Module):
-    """``loss(params, tokens)``: the mean next-token loss of ``tokens`` ``(B, T+1)`` (cached: engines share it).
+    """``loss(params, tokens)``: the mean next-token loss of ``tokens`` ``(B, T+1)`` (cached: engines share it);
+    ``loss(params, tokens, rng)`` for a model with dropout (`takes_rng`: LoRA's ``lora_dropout``).
 
     Example:
         >>> lm_loss(model)(params, batch)
         Array(5.56, dtype=float32)
     """
+    if takes_rng(model):
+        def noisy(params, tokens, rng):
+            return model.apply({"params": params}, tokens[:, :-1], tokens[:, 1:], rngs={"dropout": rng})
+
+        return noisy
 
     def loss(params, tokens):
         return model.apply({"params": params}, tokens[:, :-1], tokens[:, 1:])
 
     return loss
+
+
+def takes_rng(model: nn.Module) -> bool:
+    """Whether the model's training loss takes a dropout key (`lm_loss`)."""
+    return bool(getattr(model.config, "lora_rank", 0) and getattr(model.config, "lora_dropout", 0.0))
 
 
 @functools.cache
@@ -62,7 +73,8 @@ class StackedLM(nn.Module):
         self.embed = embed(c, self.dtype)
         if self.save_products:
             block = nn.remat(block, policy=keep_products, prevent_cse=False)
-        scan = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.n_layers)
+        scan = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                       length=c.n_layers)
         self.blocks = scan(c, self.dtype)
         self.head = head(c, self.dtype)
 

@@ -1,11 +1,13 @@
 """Frozen leaves: those whose update is zero by construction, found in the traced update itself.
 
 A leaf is frozen when the optimizer gives it no update whatever the gradient: ``optax.set_to_zero`` under
-``optax.multi_transform`` (LoRA's base, `zinfjax.models.lora.masked`; an ``nnx.Optimizer``'s ``wrt`` filter,
+``optax.multi_transform`` (LoRA's base, `zinfjax.models.lora`; an ``nnx.Optimizer``'s ``wrt`` filter,
 `zinfjax.trainers.frozen`), or any transformation whose traced update returns the parameter itself. The
 test is symbolic, on `UpdatePlan`'s jaxpr: the new parameter must be the old one plus zeros (a zero literal,
 broadcast, converted, or multiplied into anything) through adds, subtractions and same-type conversions,
-and the leaf must keep no optimizer state. Nothing is evaluated, so a 1 GB leaf costs no more than a bias.
+the leaf must keep no optimizer state, and its gradient must count nowhere else (a global norm clipping every
+leaf, masked ones included, reads it: that leaf is not frozen, as its gradient is still needed). Nothing is
+evaluated, so a 1 GB leaf costs no more than a bias.
 
 Example:
     >>> plan = UpdatePlan(optax.multi_transform({"t": optax.adam(1e-3), "f": optax.set_to_zero()}, labels), program)
@@ -27,11 +29,12 @@ def frozen_leaves(plan) -> frozenset[int]:
     """The indices of the program's leaves that ``plan``'s update leaves as they are (see the module docstring)."""
     jaxpr = plan.u_closed.jaxpr
     consts = dict(zip(jaxpr.constvars, plan.u_closed.consts, strict=True))
+    read = {v for e in jx.dce(jaxpr.eqns, jaxpr.outvars) for v in e.invars if jx.is_var(v)} | set(jaxpr.outvars)
     out = set()
     for leaf in plan.program.leaves:
         k = leaf.index
-        if leaf.group is None or plan.part_state(leaf.group, (k,)):
-            continue
+        if leaf.group is None or plan.part_state(leaf.group, (k,)) or plan.u_grads[k] in read:
+            continue  # keeps state, or its gradient counts elsewhere (a global norm over every leaf)
         if _kind(jaxpr.eqns, plan.u_new_params[k], plan.u_params[k], consts) == SAME:
             out.add(k)
     return frozenset(out)

@@ -69,12 +69,14 @@ class InitSource:
 
     # ---- the source interface ------------------------------------------------------------------
 
-    def params(self, group: str, i: int) -> list:
+    def params(self, group: str, i: int, only: frozenset | None = None) -> list:
         out = []
         for leaf in self.program.leaves_of(group):
-            if leaf.index in self._by_scan:
+            if only is not None and leaf.path not in only:
+                out.append(None)
+            elif leaf.index in self._by_scan:
                 eqn, j = self._by_scan[leaf.index]
-                out.append(self._unit(leaf, eqn, j, i))
+                out.append(self._unit(leaf, eqn, j, i, alone=only is not None and len(only) == 1))
             elif self._chunk_fn(leaf.index) is not None:
                 out.append(self._chunk_fn(leaf.index)(self.rng, i * leaf.stream.rows))
             else:
@@ -87,10 +89,11 @@ class InitSource:
     def globals(self) -> None:
         return None
 
-    def _unit(self, leaf, eqn, j: int, i: int):
-        """Unit ``i`` of a leaf a scan stacks: a layer, or one tile of one layer (alone where its code allows)."""
+    def _unit(self, leaf, eqn, j: int, i: int, alone: bool = False):
+        """Unit ``i`` of a leaf a scan stacks: a layer, or one tile of one layer (alone where its code allows, or
+        where ``alone`` asks: one leaf of a layer, not the whole layer's)."""
         tiles = leaf.stream.tiles
-        alone = self.program.groups[leaf.group].sub is not None  # a layer of tiles: never all of it at once
+        alone = alone or self.program.groups[leaf.group].sub is not None  # a layer of tiles: never all at once
         if not tiles:
             return self._iteration(eqn, i, j if alone else None)[0 if alone else j]
         layer, t = divmod(i, tiles)

@@ -113,6 +113,9 @@ class NvmeStore(LayerStore):
         atomic: with direct chunk I/O, False overwrites existing chunks in place instead of
             through a temporary file and a rename (see `chunkfile.write_chunks`): for scratch
             state, such as the engine's working copy, that a crash invalidates anyway.
+        in_place: leaves (by their key in ``like``) read where they already are: the zarr3 array
+            directory of a checkpoint's leaf whose chunks are this store's (one layer each, the
+            same dtype and codecs). They are read-only: a write to one is refused.
         **context: options for `tensorstore_context`; ``file_io_sync`` applies to both.
     """
 
@@ -130,9 +133,12 @@ class NvmeStore(LayerStore):
         write_threads: int = 4,
         chunk_io: str = "direct",
         atomic: bool = True,
+        in_place: dict[str, str] | None = None,
         **context,
     ):
         super().__init__(like, layouts)
+        keys = [str(p[0].key) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+        self.in_place = {k: os.path.abspath(in_place[key]) for k, key in enumerate(keys) if key in (in_place or {})}
         if chunk_io not in CHUNK_IO:
             raise StoreUsageError(f"chunk_io={chunk_io!r} is not allowed; use one of {', '.join(CHUNK_IO)}")
         self.chunk_io = chunk_io
@@ -143,8 +149,9 @@ class NvmeStore(LayerStore):
         self._lock_file = StoreLock(self.directory)
         self._lock_file.acquire()
         try:
+            self._leaf_dirs = [self.in_place.get(k, os.path.join(self.directory, lay.name))
+                               for k, lay in enumerate(self.layouts)]
             self._arrays = self._open(create, tensorstore_context(**context))
-            self._leaf_dirs = [os.path.join(self.directory, lay.name) for lay in self.layouts]
         except BaseException:
             self._lock_file.release()
             raise
@@ -162,16 +169,19 @@ class NvmeStore(LayerStore):
                 f"no store at {self.directory} (no {manifest.MANIFEST}); open it with create=True"
             )
         else:
-            check_free_space(self.directory, self.num_layers * self._write_nbytes(CHECKSUM_BYTES))
-        arrays = [self._open_leaf(lay, context) for lay in self.layouts]
+            written = [k for k in range(len(self.layouts)) if k not in self.in_place]
+            check_free_space(self.directory, self.num_layers * self._write_nbytes(CHECKSUM_BYTES, written))
+        arrays = [self._open_leaf(lay, context, k) for k, lay in enumerate(self.layouts)]
         if found is None:
             manifest.write(self.directory, expected)
         return arrays
 
-    def _open_leaf(self, lay: LeafLayout, context: ts.Context) -> ts.TensorStore:
+    def _open_leaf(self, lay: LeafLayout, context: ts.Context, k: int) -> ts.TensorStore:
         try:
+            if k in self.in_place:
+                return ts.open(zarr_spec(self._leaf_dirs[k], lay), open=True, read=True, context=context).result()
             return ts.open(
-                zarr_spec(os.path.join(self.directory, lay.name), lay),
+                zarr_spec(self._leaf_dirs[k], lay),
                 create=True,
                 open=True,
                 context=context,
@@ -193,6 +203,10 @@ class NvmeStore(LayerStore):
         )
 
     def _start_write(self, i: int, leaves: list, after: list[Future], ks: list[int]) -> Future:
+        shut = [k for k in ks if k in self.in_place]
+        if shut:
+            raise StoreUsageError(f"store {self.directory}: leaf {self.layouts[shut[0]].name} is read-only (opened in "
+                                  f"place at {self._leaf_dirs[shut[0]]})")
         return self._writers.submit(self._write_layer, i, leaves, after, ks)
 
     def hands_over(self, i: int) -> bool:

@@ -42,6 +42,27 @@ def freeze(tx: optax.GradientTransformation, trainable: Callable) -> optax.Gradi
     return optax.multi_transform({TRAIN: tx, FROZEN: optax.set_to_zero()}, lambda params: labels(params, trainable))
 
 
+def by_path(trainable: Callable[[str, Any], bool], params) -> Callable:
+    """A key-path selection from a user's ``trainable(path, leaf) -> bool``, ``path`` as ``"blocks/q_lora/a"``.
+
+    Raises:
+        FrozenError: it selects no parameter, or every one (then nothing is frozen: leave ``trainable`` out).
+    """
+    chosen = set()
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        path = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in keypath)
+        if trainable(path, leaf):
+            chosen.add(jax.tree_util.keystr(keypath))
+    total = len(jax.tree.leaves(params))
+    if not chosen:
+        raise FrozenError("trainable= selects no parameter of the model; nothing would train (it is called as "
+                          "trainable(path, leaf) with paths like 'blocks/q_lora/a')")
+    if len(chosen) == total:
+        raise FrozenError(f"trainable= selects every one of the {total} parameters, so nothing is frozen; leave "
+                          "trainable out to train them all, or select fewer")
+    return lambda keypath: jax.tree_util.keystr(keypath) in chosen
+
+
 def check_selects(params, trainable: Callable) -> None:
     """Refuses a selection that holds no leaf of ``params``.
 

@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from zinfjax.checkpoint.model import start_checkpoint
+from zinfjax.checkpoint.restore import start_params
 from zinfjax.config import Config
 from zinfjax.data import Batches, global_batch
-from zinfjax.models.stacked import lm_init, lm_loss
+from zinfjax.models.stacked import lm_init, lm_loss, takes_rng
 from zinfjax.sharding import batch_sharding, replicated
 from zinfjax.trainers.optimizers import make_optimizer
 
@@ -43,22 +45,30 @@ def micro_batches(batch, grad_accum: int):
     return jax.tree.map(one, batch)
 
 
-def loss_and_grads(loss_fn, params, batch, grad_accum: int = 1):
-    """Mean loss and mean gradients of ``loss_fn(params, micro_batch)`` over ``grad_accum`` micro-batches."""
-    losses, grads = jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(params, b), micro_batches(batch, grad_accum))
+def loss_and_grads(loss_fn, params, batch, grad_accum: int = 1, rng=None):
+    """Mean loss and mean gradients of ``loss_fn(params, micro_batch[, key])`` over ``grad_accum`` micro-batches;
+    with ``rng``, micro-batch ``a`` takes ``fold_in(rng, a)`` (``rng`` itself when there is one), as the engine's."""
+    micro = micro_batches(batch, grad_accum)
+    if rng is None:
+        losses, grads = jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(params, b), micro)
+    else:
+        keys = rng[None] if grad_accum == 1 else jax.vmap(lambda a: jax.random.fold_in(rng, a))(jnp.arange(grad_accum))
+        losses, grads = jax.lax.map(lambda bk: jax.value_and_grad(loss_fn)(params, *bk), (micro, keys))
     return jnp.mean(losses), jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
 
 
-def make_step(loss_fn, tx: optax.GradientTransformation, mesh: Mesh, grad_accum: int = 1) -> Callable:
-    """A jitted ``step(params, opt_state, batch) -> (params, opt_state, loss)``."""
+def make_step(loss_fn, tx: optax.GradientTransformation, mesh: Mesh, grad_accum: int = 1,
+              with_rng: bool = False) -> Callable:
+    """A jitted ``step(params, opt_state, batch[, rng]) -> (params, opt_state, loss)``."""
 
-    def step(params, opt_state, batch):
-        loss, grads = loss_and_grads(loss_fn, params, batch, grad_accum)
+    def step(params, opt_state, batch, rng=None):
+        loss, grads = loss_and_grads(loss_fn, params, batch, grad_accum, rng)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     rep, data = replicated(mesh), batch_sharding(mesh)
-    return jax.jit(step, in_shardings=(rep, rep, data), out_shardings=(rep, rep, rep), donate_argnums=(0, 1))
+    shardings = (rep, rep, data, rep) if with_rng else (rep, rep, data)
+    return jax.jit(step, in_shardings=shardings, out_shardings=(rep, rep, rep), donate_argnums=(0, 1))
 
 
 def init_state(init_fn, tx: optax.GradientTransformation, mesh: Mesh, seed: int):
@@ -83,15 +93,21 @@ class ReferenceTrainer:
         self.tx = make_optimizer(config)
         self.mesh = mesh
         self.params, self.opt_state = init_state(lm_init(model), self.tx, mesh, config.seed)
+        start = start_checkpoint(config.model)  # model=<checkpoint>: its parameters, adapters made afresh
+        if start is not None:
+            self.params = jax.device_put(start_params(start, self.params), replicated(mesh))
         self.loss = lm_loss(model.clone(save_products=True))
-        self._step = make_step(self.loss, self.tx, mesh, config.grad_accum)
+        self._with_rng, self._seed, self._count = takes_rng(model), config.seed, 0
+        self._step = make_step(self.loss, self.tx, mesh, config.grad_accum, self._with_rng)
 
     def next_batch(self, batches: Batches) -> jax.Array:
         return global_batch(batches, batch_sharding(self.mesh))
 
     def step(self, batch) -> dict:
         batch = jax.device_put(batch, batch_sharding(self.mesh))
-        self.params, self.opt_state, loss = self._step(self.params, self.opt_state, batch)
+        self._count += 1  # the step's key, as the engine's: fold_in(key(seed), step)
+        rng = (jax.random.fold_in(jax.random.key(self._seed), self._count),) if self._with_rng else ()
+        self.params, self.opt_state, loss = self._step(self.params, self.opt_state, batch, *rng)
         return {"loss": float(loss)}
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from zinfjax import models
 from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.checkpoint import CheckpointSource
+from zinfjax.checkpoint.model import start_checkpoint
 from zinfjax.checkpoint.resume import resume_directory
 from zinfjax.config import Config
 from zinfjax.data import Batches
@@ -18,7 +19,7 @@ from zinfjax.engine import Engine, Source, update_plan
 from zinfjax.engine.budget import MemoryBudgetError
 from zinfjax.engine.engine import prepare, streamed_program
 from zinfjax.models.configs import ModelConfig
-from zinfjax.models.stacked import lm_init, lm_loss
+from zinfjax.models.stacked import lm_init, lm_loss, takes_rng
 from zinfjax.program import InitSource, program_for
 from zinfjax.trainers.optimizers import make_optimizer
 
@@ -31,7 +32,7 @@ def lm_program(model, config: Config, tx, mesh=None):
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute),
                         jax.eval_shape(lm_init(model), jax.random.key(0)))
     def make(nest: bool):
-        return program_for(lm_loss(model), like, batch, nest_tiles=nest)
+        return program_for(lm_loss(model), like, batch, with_rng=takes_rng(model), nest_tiles=nest)
 
     program = make(True) if mesh is None else streamed_program(make, tx, config, mesh, model.partition_rules)
     return program, update_plan(tx, program)
@@ -117,7 +118,9 @@ class EngineTrainer:
         if directory is not None:
             self.restored = CheckpointSource(directory, program, plan)
             return self.restored
-        return InitSource(program, lm_init(self._model), jax.random.key(config.seed))
+        init = InitSource(program, lm_init(self._model), jax.random.key(config.seed))
+        start = start_checkpoint(config.model)  # model=<checkpoint>: its parameters, adapters made afresh
+        return init if start is None else CheckpointSource(start, program, plan, start=True, fallback=init)
 
     def next_batch(self, batches: Batches):
         # The engine places a host batch itself; every process builds the same one, as batch n

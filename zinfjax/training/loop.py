@@ -24,16 +24,16 @@ from tqdm import tqdm
 from zinfjax._util.byte_sizes import format_bytes
 from zinfjax._util.choices import TIER_KEYS
 from zinfjax.checkpoint import CheckpointManager, CheckpointSaveError
-from zinfjax.checkpoint.model import resolve_model
 from zinfjax.checkpoint.resume import choose_start
 from zinfjax.config import Config
 from zinfjax.data import Batches, model_tokens
+from zinfjax.engine.in_place import nbytes as in_place_nbytes
 from zinfjax.engine.trace import Tracer
 from zinfjax.errors import ConfigError, UserError
 from zinfjax.runtime import allocator, rss
 from zinfjax.runtime.distributed import initialize_from_env, is_main_process, process_nvme_path
 from zinfjax.sharding import make_mesh
-from zinfjax.trainers.build import build_trainer
+from zinfjax.trainers.build import build_trainer, run_model
 from zinfjax.trainers.optimizers import make_schedule
 from zinfjax.training.nonfinite import LossWatch
 from zinfjax.training.plots import loss_curve
@@ -90,7 +90,7 @@ def _prepare(config: Config, main: bool, progress: bool = False):
         config = auto_tiers(config, main)
     if config.log and main:
         check_writable_file(config.log, "log")
-    model_config = resolve_model(config.model)
+    config, model_config = run_model(config)
     tokens, tokenizer = model_tokens(config.data, config.model, model_config.vocab_size, config.tokenizer,
                                      config.data_field, progress=progress and main)
     batches = Batches(tokens, config.batch_size, config.seq_len, config.seed)
@@ -121,7 +121,25 @@ def engine_facts(engine) -> dict:
     }
     if engine.host_kind_fallback:
         facts["host_memory_fallback"] = engine.host_kind_fallback
+    frozen = engine.update_plan.frozen
+    if frozen:  # what is frozen, where the base is read from, and whether it was copied into nvme_path
+        facts["frozen"] = base_facts(engine)
     return facts
+
+
+def base_facts(engine) -> dict:
+    """The frozen leaves' bytes, and the base they are read from: in place, or copied into the run's stores."""
+    program, frozen = engine.program, engine.update_plan.frozen
+    placed = {p for paths in engine.in_place.values() for p in paths}
+    in_place = [leaf.index for leaf in program.leaves if leaf.path in placed]
+    out = {"leaves": len(frozen), "trainable_leaves": len(program.leaves) - len(frozen),
+           "frozen_bytes": in_place_nbytes(program, frozen),
+           "trainable_bytes": in_place_nbytes(program, set(range(len(program.leaves))) - frozen)}
+    if engine.base:
+        out["base"] = dict(engine.base)
+        out["base"]["in_place_bytes"] = in_place_nbytes(program, in_place)
+        out["base"]["copied_bytes"] = in_place_nbytes(program, engine.base_leaves - set(in_place))
+    return out
 
 
 def _steps(config: Config, trainer, batches: Batches, log: dict, saver, first: int, progress: bool):

@@ -1,0 +1,46 @@
+"""A frozen base opened in place: the leaves a fine-tune never writes, read from the checkpoint that holds them.
+
+A run that starts from (or resumes onto) a base checkpoint reads its frozen leaves every step and
+never writes them (`zinfjax.program.frozen`). Where such a leaf's checkpoint chunks are exactly the
+chunks the nvme params store would write (one whole layer each, in the compute dtype, unsharded), the
+store reads them where they are (`zinfjax.store.NvmeStore`'s ``in_place``) instead of copying the base
+into ``nvme_path``: a fp32 fine-tune of a converted model (`zinfjax convert` writes one layer a chunk)
+at ZeRO stages 0-2. A bf16 run of a fp32 base, or stage 3's device shards, copies it (cast, or cut),
+and the step log says which (``base.in_place_bytes`` and ``base.copied_bytes``).
+
+Example:
+    >>> in_place_leaves(config, program, source, engine.base_leaves, placement, jnp.float32)
+    {'s:blocks': {'blocks/q/kernel': '/work/runs/llama/0/params/blocks.q.kernel', ...}}
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def in_place_leaves(config, program, source, base_leaves: frozenset, placement, compute_dtype) -> dict[str, dict]:
+    """``{group: {leaf path: leaf directory}}``: the base leaves the params store reads in place (module docstring)."""
+    if config.params != "nvme" or not base_leaves:
+        return {}
+    out: dict[str, dict] = {}
+    for k in sorted(base_leaves):
+        leaf = program.leaves[k]
+        where = source.leaf_dir(leaf.path)
+        if where is not None and _same_chunks(leaf, where[1], placement, compute_dtype):
+            out.setdefault(leaf.group, {})[leaf.path] = where[0]
+    return out
+
+
+def _same_chunks(leaf, meta: dict, placement, compute_dtype) -> bool:
+    """Whether the checkpoint leaf ``meta`` is chunked as the store holds ``leaf``: whole layers, same dtype."""
+    stream = leaf.stream
+    if stream is None or stream.rows or stream.tiles:
+        return False
+    sharding = placement.stacked("params", leaf.path, leaf.slice_shape)
+    return (np.dtype(meta["dtype"]) == np.dtype(compute_dtype) and sharding.is_fully_replicated
+            and list(meta["chunk_shape"]) == [1, *leaf.slice_shape] and list(meta["shape"]) == list(leaf.shape))
+
+
+def nbytes(program, leaves) -> int:
+    """The bytes of the leaves ``leaves`` (indices) of ``program``."""
+    return sum(int(np.prod(program.leaves[k].shape)) * np.dtype(program.leaves[k].dtype).itemsize for k in leaves)
