@@ -88,6 +88,7 @@ class Config:
     final_lr: float = 0.0
     seed: int = 0
     log: str | None = None
+    tensorboard_dir: str | None = None
     max_nonfinite_steps: int = 3
     # checkpoints
     save_dir: str | None = None
@@ -424,6 +425,9 @@ KEY_DOCS = {
     "final_lr": "the learning rate at the last step of a linear or cosine decay",
     "seed": "seed of the initial parameters and of the data order, 0 to 2**63-1",
     "log": "path of the JSON log; a PNG loss curve is written beside it (checked writable before training)",
+    "tensorboard_dir": "directory for TensorBoard event files of the per-step metrics (loss, lr, tokens/s, bytes "
+                       "per tier, stall, overlap, io_floor_s, floor_ratio), written by process 0 (checked "
+                       "writable before training); default: none",
     "max_nonfinite_steps": "consecutive steps with a NaN or inf loss after which the run stops with an error "
                            "(fp16 overflow steps that the loss scaler skips do not count)",
     "kv_cache": "tier of the KV cache of `zinfjax generate`: device, host or nvme",

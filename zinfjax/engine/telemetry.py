@@ -32,6 +32,9 @@ The metrics of one step (all times in seconds, wall clock of the host thread dri
 - ``overlap``: the fraction of that read time hidden behind compute,
   ``1 - stall_s / read_s`` (1.0 when the step never waited for a read, 0.0 when it waited
   for every read from start to end; 1.0 when nothing was read).
+
+``zinfjax train`` adds, for a run with state on the nvme tier, ``io_floor_s`` and ``floor_ratio``: the step's
+NVMe bytes at the disk's probed rates, and the step over its floor (`zinfjax.training.floor`, docs/engine.md).
 """
 
 from __future__ import annotations

@@ -35,9 +35,11 @@ from zinfjax.runtime.distributed import initialize_from_env, is_main_process, pr
 from zinfjax.sharding import make_mesh
 from zinfjax.trainers.build import build_trainer, run_model
 from zinfjax.trainers.optimizers import make_schedule
+from zinfjax.training.floor import Floor
 from zinfjax.training.nonfinite import LossWatch
 from zinfjax.training.plots import loss_curve
 from zinfjax.training.preflight import check_writable_file
+from zinfjax.training.tensorboard import Board, check_writable_dir
 
 
 def run(config: Config, progress: bool = True, trace: str | None = None) -> dict:
@@ -51,7 +53,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     started = time.perf_counter()
     initialize_from_env()
     main = is_main_process()
-    config, model_config, batches, start, data = _prepare(config, main, progress)
+    config, model_config, batches, start, data, plan = _prepare(config, main, progress)
     model, trainer = build_trainer(config.replace(nvme_path=process_nvme_path(config.nvme_path)))
     tracer = _attach_tracer(trainer, trace if main else None)
     log = {"config": config.to_dict(), "processes": jax.process_count(), "devices": jax.device_count(),
@@ -65,10 +67,14 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     if trainer.engine is not None:
         log.update(engine_facts(trainer.engine))
     saver = Saver(config, model.config, trainer, start.run_id, first - 1) if config.save_dir else None
-    log["init_s"] = time.perf_counter() - started  # through the restore, if any
+    floor = board = None
     try:
-        failure = _steps(config, trainer, batches, log, saver, first, progress and main)
+        floor, board = _reporters(config, trainer, plan, log, main)
+        log["init_s"] = time.perf_counter() - started  # through the restore, if any, and the disk probe
+        failure = _steps(config, trainer, batches, log, saver, first, progress and main, floor, board)
     finally:
+        if board is not None:
+            board.close()
         if tracer is not None:
             tracer.detach()
             tracer.save(trace)
@@ -86,10 +92,13 @@ def _prepare(config: Config, main: bool, progress: bool = False):
     """The run's config (micro-batch, tiers=auto and resume decided), model, batches, start and what the data is
     (for the log), each checked before anything is built."""
     config = config.with_batch_for(make_mesh(config.mesh_axes()).shape["data"])  # DeepSpeed's micro-batch
+    plan = None
     if config.tiers == "auto":
-        config = auto_tiers(config, main)
+        config, plan = auto_tiers(config, main)
     if config.log and main:
         check_writable_file(config.log, "log")
+    if config.tensorboard_dir and main:
+        check_writable_dir(config.tensorboard_dir, "tensorboard_dir")
     config, model_config = run_model(config)
     tokens, tokenizer = model_tokens(config.data, config.model, model_config.vocab_size, config.tokenizer,
                                      config.data_field, progress=progress and main)
@@ -99,7 +108,19 @@ def _prepare(config: Config, main: bool, progress: bool = False):
     start = choose_start(config, model_config)
     if start.notes and main:
         print("zinfjax: " + "; ".join(start.notes), file=sys.stderr)
-    return start.config, model_config, batches, start, data
+    return start.config, model_config, batches, start, data, plan
+
+
+def _reporters(config: Config, trainer, plan: dict | None, log: dict, main: bool):
+    """Process 0's disk floor (a run with state on nvme: the disk probed now) and TensorBoard writer, or Nones."""
+    floor = None
+    if main and trainer.engine is not None and config.uses_nvme:
+        floor = Floor.for_run(process_nvme_path(config.nvme_path), plan)
+        log.update(floor.log_facts())
+        if not floor.ok:
+            print(f"zinfjax: note: {floor.disk['note']}", file=sys.stderr)
+    board = Board(config.tensorboard_dir) if config.tensorboard_dir and main else None
+    return floor, board
 
 
 def engine_facts(engine) -> dict:
@@ -142,8 +163,10 @@ def base_facts(engine) -> dict:
     return out
 
 
-def _steps(config: Config, trainer, batches: Batches, log: dict, saver, first: int, progress: bool):
-    """Steps ``first`` to ``config.steps``, each recorded in ``log``; returns the run's failure, or None."""
+def _steps(config: Config, trainer, batches: Batches, log: dict, saver, first: int, progress: bool,
+           floor: Floor | None = None, board: Board | None = None):
+    """Steps ``first`` to ``config.steps``, each recorded in ``log`` (with its disk floor, and on TensorBoard,
+    where given); returns the run's failure, or None."""
     schedule = make_schedule(config)
     watch = LossWatch(config.max_nonfinite_steps, config.lr)
     bar = tqdm(range(first, config.steps + 1), disable=not progress, unit="step", dynamic_ncols=True,
@@ -157,7 +180,11 @@ def _steps(config: Config, trainer, batches: Batches, log: dict, saver, first: i
         record = {"step": step, **metrics, "tokens_per_s": config.batch_size * config.seq_len / seconds,
                   "lr": float(schedule(step - 1)) if callable(schedule) else schedule,
                   "peak_rss_bytes": rss.peak_bytes(), **device_memory()}
+        if floor is not None:
+            record.update(floor.fields(record))
         log["steps"].append(record)
+        if board is not None:
+            board.write(record)
         bar.set_postfix_str(progress_text(record), refresh=False)
         finite = watch.after_step(step, metrics["loss"])
         if saver:
@@ -171,8 +198,9 @@ def _steps(config: Config, trainer, batches: Batches, log: dict, saver, first: i
     return failure
 
 
-def auto_tiers(config: Config, main: bool = True) -> Config:
-    """``tiers=auto``: the tier keys from `zinfjax.planning.recommend` (probes unless ``ZINFJAX_PLAN_PROBE=0``)."""
+def auto_tiers(config: Config, main: bool = True) -> tuple[Config, dict]:
+    """``tiers=auto``: the tier keys from `zinfjax.planning.recommend` (probes unless ``ZINFJAX_PLAN_PROBE=0``), and
+    the plan they come from."""
     from zinfjax.planning.recommend import resolve_auto
 
     probe = os.environ.get("ZINFJAX_PLAN_PROBE", "1") != "0"
@@ -181,7 +209,7 @@ def auto_tiers(config: Config, main: bool = True) -> Config:
         chosen = " ".join(f"{k}={getattr(config, k)}" for k in TIER_KEYS)
         print(f"zinfjax: tiers=auto: {chosen} (predicted {plan['recommended']['step_s']:.3f} s/step; "
               "zinfjax plan shows the alternatives)", file=sys.stderr)
-    return config
+    return config, plan
 
 
 def _start(trainer, batches: Batches, log: dict, main: bool) -> int:
@@ -288,10 +316,15 @@ def device_memory() -> dict:
 
 
 def progress_text(record: dict) -> str:
-    """Loss, tokens/s, and for a streamed step the I/O stall, overlap and bytes moved per tier."""
+    """Loss, tokens/s, and for a streamed step the I/O stall, overlap, the step over its disk floor (`floor`) and
+    bytes moved per tier."""
     parts = [f"loss={record['loss']:.4f}", f"tok/s={record['tokens_per_s']:.0f}"]
     if "stall_s" in record:
         parts += [f"stall={record['stall_s']:.2f}s", f"overlap={record['overlap']:.0%}"]
+    if "floor_ratio" in record:
+        parts.append(f"floor={record['floor_ratio']:.2f}x")
+    elif "io_ratio" in record:
+        parts.append(f"io_floor={record['io_ratio']:.2f}x")
     for tier in ("host", "nvme"):
         moved = record.get(f"read_bytes_{tier}", 0) + record.get(f"write_bytes_{tier}", 0)
         if moved:
