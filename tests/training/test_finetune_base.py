@@ -9,6 +9,7 @@ base bitwise as saved, its files unchanged on disk (a hash of every file before 
 import hashlib
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -148,7 +149,7 @@ def test_evaluate_and_generate_take_the_base_plus_the_adapters(base, tmp_path):
 
 def test_a_base_that_changed_is_refused_naming_both_digests(base, tmp_path, capsys):
     copy = tmp_path / "base"
-    os.system(f"cp -r {base} {copy}")  # noqa: S605 - a plain copy of the fixture
+    shutil.copytree(base, copy)
     c = Config(model=str(copy), **LORA, save_dir=str(tmp_path / "run"), steps=2)
     run(c.replace(log=str(tmp_path / "a.json")), progress=False)
     was = base_ref(str(copy))["digest"]

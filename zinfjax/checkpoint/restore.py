@@ -108,7 +108,7 @@ class CheckpointSource:
     # ---- the source interface ------------------------------------------------------------------
 
     def params(self, group: str, i: int, only: frozenset | None = None) -> list:
-        leaves = [x for x in self.program.leaves_of(group)]
+        leaves = self.program.leaves_of(group)
         wanted = [only is None or x.path in only for x in leaves]
         readers = [self._holder(leaf_name(x.path)) for x in leaves]
         new = frozenset(x.path for x, r, w in zip(leaves, readers, wanted, strict=True) if r is None and w)
