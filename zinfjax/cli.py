@@ -184,12 +184,16 @@ def _launch(args) -> int:
 
 
 def add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks that print JSON (io, step, capacity, memory, lora, generate, "
-                       "versus-ds)", description="Benchmarks. Each prints one JSON object; see docs/BENCHMARKS.md.")
-    p.add_argument("name", choices=["io", "step", "capacity", "memory", "lora", "generate", "versus-deepspeed"],
+    p = sub.add_parser("bench", help="benchmarks that print JSON (io, step, capacity, memory, budgets, lora, "
+                       "generate, versus-ds)",
+                       description="Benchmarks. Each prints one JSON object; see docs/BENCHMARKS.md.")
+    p.add_argument("name", choices=["io", "step", "capacity", "memory", "budgets", "lora", "generate",
+                                    "versus-deepspeed"],
                    help="io: the nvme tier against raw O_DIRECT disk throughput; step: reference vs engine on "
                    "device, host and nvme tiers against the I/O floor; capacity: a state far larger than memory; "
                    "memory: gpt2-small, gpt2-large and llama-1b through zinfjax train in memory cgroups; "
+                   "budgets: one model through zinfjax train at several memory_limit values (tiers=auto), each step "
+                   "against its floor; "
                    "lora: llama-7b's rank-16 adapters in a 3 GiB cgroup against the step's floor; "
                    "generate: tokens/s with parameters in memory, on host and on nvme at batch sizes 1, 8, 64; "
                    "versus-deepspeed: GPT-2 small under DeepSpeed ZeRO-3 and zinfjax train, NVMe, CPU and memory")

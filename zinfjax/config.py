@@ -22,12 +22,13 @@ import yaml
 from zinfjax._util.byte_sizes import parse_bytes
 from zinfjax._util.choices import PRECISIONS, TIER_KEYS, TIERS
 from zinfjax._util.mapping_files import DuplicateKeyError, UniqueKeyLoader, parse_problem, read_mapping
+from zinfjax._util.tier_split import SplitError, TierSplit, tiers_in
 from zinfjax.errors import ConfigError, printable
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adagrad", "rmsprop", "lamb", "adafactor")
 DECAYS = ("constant", "linear", "cosine")
 WARMUPS = ("linear", "log")
-TIER_MODES = ("manual", "auto")
+TIER_MODES = ("default", "manual", "auto")
 UPDATE_ON = ("auto", "device", "host")
 RECOMPUTE = ("auto", "always", "never")
 STREAM_TILES = ("auto", "always")
@@ -47,7 +48,7 @@ class Config:
     optimizer: str = "device"
     gradients: str = "device"
     activations: str = "device"
-    tiers: str = "manual"  # "auto": params/optimizer/gradients/activations from `zinfjax plan`
+    tiers: str = "default"  # "auto": the tier keys from `zinfjax plan`; default: auto with nvme_path and no tier key
     kv_cache: str = "device"
     nvme_path: str | None = None
     prefetch_depth: int | None = None  # None: from memory_limit (engine/budget.py)
@@ -186,7 +187,14 @@ class Config:
 
     @property
     def uses_nvme(self) -> bool:
-        return any(getattr(self, k) == "nvme" for k in (*TIER_KEYS, "kv_cache"))
+        return self.kv_cache == "nvme" or any("nvme" in tiers_in(getattr(self, k)) for k in TIER_KEYS)
+
+    @property
+    def tiers_auto(self) -> bool:
+        """Whether the run takes its tier keys from the plan: ``tiers=auto``, or ``tiers`` left at its default with
+        ``nvme_path`` set and every tier key at its default (device)."""
+        untouched = all(getattr(self, k) == "device" for k in TIER_KEYS)
+        return self.tiers == "auto" or (self.tiers == "default" and bool(self.nvme_path) and untouched)
 
     @property
     def resuming(self) -> bool:
@@ -294,17 +302,23 @@ def _check(ok: bool, message: str) -> None:
 MAX_SEED = 2**63 - 1  # jax.random.key and numpy's generators take a signed 64-bit seed
 
 
+def _validate_tiers(c: Config) -> None:
+    """The tier keys (a tier, or a split of layers: `zinfjax._util.tier_split`), ``tiers`` and ``nvme_path``."""
+    _check(c.kv_cache in TIERS, f"kv_cache={c.kv_cache!r} is not allowed; use one of {', '.join(TIERS)}")
+    for key in TIER_KEYS:
+        try:
+            object.__setattr__(c, key, str(TierSplit.parse(getattr(c, key))))  # one spelling: "host:12,nvme"
+        except SplitError as err:
+            raise ConfigError(f"{key}: {err}") from err
+    _check(c.tiers in TIER_MODES, f"tiers={c.tiers!r} is not allowed; use manual (the tier keys as set), auto "
+           "(the placement `zinfjax plan` recommends) or default (auto when nvme_path is set and no tier key is)")
+    _check(not c.uses_nvme or bool(c.nvme_path),
+           "a tier is 'nvme' but nvme_path is not set; set nvme_path=/path/on/fast/disk")
+
+
 def _validate(c: Config) -> None:
     _check(c.stage in (0, 1, 2, 3), f"stage={c.stage!r} is not allowed; use 0, 1, 2 or 3")
-    for key in (*TIER_KEYS, "kv_cache"):
-        value = getattr(c, key)
-        _check(value in TIERS, f"{key}={value!r} is not allowed; use one of {', '.join(TIERS)}")
-    _check(c.tiers in TIER_MODES, f"tiers={c.tiers!r} is not allowed; use manual (the tier keys as set) or auto "
-           "(the placement `zinfjax plan` recommends)")
-    _check(
-        not c.uses_nvme or bool(c.nvme_path),
-        "a tier is 'nvme' but nvme_path is not set; set nvme_path=/path/on/fast/disk",
-    )
+    _validate_tiers(c)
     _check(c.prefetch_depth is None or c.prefetch_depth >= 0, f"prefetch_depth={c.prefetch_depth} must be 0 or more")
     _check(c.max_reuse_distance is None or c.max_reuse_distance >= 0,
            f"max_reuse_distance={c.max_reuse_distance} must be 0 or more (parameters), or unset")
@@ -358,12 +372,16 @@ def _validate(c: Config) -> None:
 KEY_DOCS = {
     "stage": "ZeRO stage 0-3: what is sharded over the data axis (0 nothing, 1 optimizer state, 2 + gradients, "
              "3 + parameters)",
-    "params": "tier of the parameters: device, host or nvme",
-    "optimizer": "tier of the fp32 master weights and optimizer state: device, host or nvme",
-    "gradients": "tier of spooled gradients (used with grad_clip): device, host or nvme",
-    "activations": "tier of the layer-boundary activation checkpoints: device, host or nvme",
+    "params": "tier of the parameters: device, host or nvme, or split by layer: host:12,nvme (the first 12 layers "
+              "in host memory, the rest on NVMe)",
+    "optimizer": "tier of the fp32 master weights and optimizer state: device, host or nvme, or split by layer "
+                 "(host:12,nvme)",
+    "gradients": "tier of spooled gradients (used with grad_clip): device, host or nvme, or split by layer",
+    "activations": "tier of the layer-boundary activation checkpoints: device, host or nvme, or split by layer",
     "tiers": "manual: the tier keys as set; auto: params, optimizer, gradients and activations take the fastest "
-             "placement that fits, as `zinfjax plan` predicts it (nvme considered only with nvme_path)",
+             "placement that fits, as `zinfjax plan` predicts it: host memory first, split by layer with NVMe where "
+             "a part does not fit (nvme considered only with nvme_path); default: auto when nvme_path is set and no "
+             "tier key is, else manual",
     "nvme_path": "directory on a fast local disk for the nvme tier",
     "prefetch_depth": "layers read ahead of compute (0 reads on demand); default: what memory_limit allows (1-4)",
     "host_buffer_bytes": "bound on host staging buffers for NVMe I/O, e.g. 512MiB; default: from memory_limit",

@@ -12,6 +12,7 @@ from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.engine.memory import zero_formula
 from zinfjax.planning.cost import NOMINAL, traffic
 from zinfjax.planning.recommend import PlanError, make_plan
+from zinfjax.planning.report import format_plan
 from zinfjax.planning.state import parameter_count, state_parts
 from zinfjax.runtime import rss
 from zinfjax.sharding import make_mesh
@@ -141,3 +142,54 @@ def test_tiers_auto_trains(tmp_path, monkeypatch):
 def above_this_process(nbytes: int) -> int:
     """A budget ``nbytes`` above what this (test worker) process holds already: the plan counts that too."""
     return rss.current_bytes() + nbytes
+
+
+def test_nvme_path_alone_fills_memory_first_and_holds_the_budget(tmp_path, monkeypatch):
+    """No tier key and an nvme_path: tiers=auto is the default. gpt2-small (1.5 GB of fp32 parameters and Adam state)
+    under a budget 1.1 GiB above this process: the plan keeps what fits in host memory and splits a part by layer
+    with NVMe; the run holds the budget. `zinfjax plan` shows the same split."""
+    monkeypatch.setenv("ZINFJAX_PLAN_PROBE", "0")
+    limit = above_this_process(1100 << 20)
+    args = ["model=gpt2-small", "mesh=data:1", "batch_size=1", "seq_len=64", f"memory_limit={limit}",
+            f"nvme_path={tmp_path / 'nv'}"]
+    log = run(Config.load(None, [*args, "steps=2", f"log={tmp_path / 'log.json'}"]), progress=False)
+    chosen = {k: log["config"][k] for k in TIER_KEYS}
+    assert any(v.startswith("host:") and v.endswith(",nvme") for v in chosen.values()), chosen
+    assert len(log["steps"]) == 2 and max(s["peak_rss_bytes"] for s in log["steps"]) <= limit
+    assert log["steps"][-1]["read_bytes_host"] > 0 and log["steps"][-1]["read_bytes_nvme"] > 0
+    plan = make_plan(Config.load(None, args), probe=False)  # this process holds more now: its own split
+    split = [v for v in plan["recommended"]["tiers"].values() if v.startswith("host:")]
+    assert split and f"{split[0]} " in format_plan(plan)
+    assert Config.load(None, [*args, "params=nvme"]).tiers_auto is False  # a tier key given: manual
+
+
+def test_a_plain_run_over_its_budget_is_refused_before_anything_is_built(capsys):
+    """gpt2-large in memory (12.4 GB with Adam) under memory_limit=4GiB: one line, what is short, the keys that fix
+    it; the process never grows past a few hundred MB (it used to train in memory at 14.1 GB)."""
+    before = rss.current_bytes()
+    code = main(["train", "--set", "model=gpt2-large", "--set", "batch_size=1", "--set", "seq_len=256",
+                 "--set", "mesh=data:1", "--set", "memory_limit=4GiB", "--set", "steps=1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "Traceback" not in err
+    assert "gpt2-large trained in memory needs" in err and "more than the budget of 4.0 GiB (memory_limit)" in err
+    assert "set nvme_path=" in err
+    assert rss.current_bytes() - before < 1 << 30  # nothing of its 12.4 GB was made
+
+
+def test_a_busy_machine_is_noticed_in_the_plan():
+    """Two processes spinning on this machine's cores while the plan times its steps: the plan measures their CPU time
+    (/proc/stat, less its own) and warns that its predictions are a shared machine's."""
+    import subprocess
+    import sys
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        plan = make_plan(_config(), probe=True)
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+    assert plan["rates"]["other_cpu_cores"] > 0.5
+    note = next(n for n in plan["notes"] if n.startswith("other processes kept"))
+    assert "plan again when it is idle" in note
+    assert plan["tiles"] == 1  # tiles=auto: gpt2-tiny fits untiled

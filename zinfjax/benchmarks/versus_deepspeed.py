@@ -35,7 +35,6 @@ import importlib.util
 import json
 import os
 import platform
-import resource
 import shutil
 import signal
 import statistics
@@ -49,6 +48,7 @@ from zinfjax.benchmarks.deepspeed_step import CONSTRUCTIONS, ds_config
 from zinfjax.benchmarks.io import parse_size, raw_direct_io
 from zinfjax.errors import UserError
 from zinfjax.runtime.allocator import with_huge_pages
+from zinfjax.runtime.cpu_load import machine_busy_s, own_cpu_s
 
 GB = 1e9
 PRECISIONS = ("fp32", "bf16")
@@ -117,17 +117,6 @@ def run_child(cmd: list[str], timeout: int, env: dict | None = None) -> dict:
     return out | {"wall_s": wall, "other_cpu_cores": max(0.0, other / wall)}
 
 
-def machine_busy_s() -> float:
-    """CPU seconds every core of the machine has spent busy since boot (/proc/stat: all but idle and iowait)."""
-    with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU seconds of this process and of its children that have ended."""
-    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
 
 
 def read_report(path: str) -> dict:

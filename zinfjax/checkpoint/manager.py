@@ -33,6 +33,7 @@ from zinfjax.checkpoint.verify import DELETING, leftovers
 from zinfjax.runtime.distributed import barrier
 from zinfjax.store.disk import free_bytes, is_disk_full
 from zinfjax.store.manifest import fsync_dir
+from zinfjax.store.split import pieces_of
 from zinfjax.store.threads import executor
 
 
@@ -149,10 +150,11 @@ class CheckpointManager:
     def _meta(self, engine, parts: list[Part], step: int, data_position: int | None) -> dict:
         tiers: dict[str, dict] = {}
         for part in parts:
-            tier = part.store.tier if part.store is not None else "memory"
-            entry = tiers.setdefault(tier, {"bytes": 0, "stores": []})
-            entry["bytes"] += sum(_nbytes(leaf.meta) for leaf in part.leaves)
-            entry["stores"].append(f"{part.item}/{part.group}")
+            nbytes = sum(_nbytes(leaf.meta) for leaf in part.leaves)
+            for tier, share in _tier_shares(part.store):
+                entry = tiers.setdefault(tier, {"bytes": 0, "stores": []})
+                entry["bytes"] += int(nbytes * share)
+                entry["stores"].append(f"{part.item}/{part.group}")
         config = self.config or engine.config
         return {
             "format_version": fmt.FORMAT_VERSION,
@@ -294,6 +296,14 @@ def _model_dict(model) -> dict | None:
     if model is None:
         return None
     return dataclasses.asdict(model) if dataclasses.is_dataclass(model) else {"name": str(model)}
+
+
+def _tier_shares(store) -> list[tuple[str, float]]:
+    """The tiers a part's store keeps it on, and each one's share of its layers ("memory": the optimizer's globals)."""
+    if store is None:
+        return [("memory", 1.0)]
+    pieces = pieces_of(store)
+    return [(piece.tier, piece.num_layers / store.num_layers) for _, piece in pieces]
 
 
 def _nbytes(meta: dict) -> int:

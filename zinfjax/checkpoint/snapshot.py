@@ -25,6 +25,7 @@ from zinfjax.checkpoint.format import leaf_metadata
 from zinfjax.store import chunkfile
 from zinfjax.store.manifest import fsync_dir
 from zinfjax.store.nvme import aligned_empty, shard_grid
+from zinfjax.store.split import pieces_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +157,7 @@ class Snapshot:
         self.root, self.staging = root, staging
         self.linked: list[str] = []
         self.staged: list[tuple[str, str]] = []  # (staged link, destination) across filesystems
-        self.arrays: list[tuple[Part, list]] = []
+        self.arrays: list[tuple[Part, object, int, list]] = []  # (part, store of one tier, its first layer, layers)
         self._dirs: set[str] = set()
 
     # ---- between two steps -------------------------------------------------------------------
@@ -164,21 +165,22 @@ class Snapshot:
     def take(self, parts: list[Part]) -> Snapshot:
         for part in parts:
             if part.store is None:
-                self.arrays.append((part, [part.arrays]))
-            elif part.store.tier == "nvme":
-                self._link(part)
-            else:
-                self.arrays.append((part, part.store.snapshot()))
+                self.arrays.append((part, None, 0, [part.arrays]))
+                continue
+            for first, store in pieces_of(part.store):  # a store split across tiers, one tier at a time
+                if store.tier == "nvme":
+                    self._link(part, store, first)
+                else:
+                    self.arrays.append((part, store, first, store.snapshot()))
         return self
 
-    def _link(self, part: Part) -> None:
-        store = part.store
+    def _link(self, part: Part, store, first: int) -> None:
         for i in range(store.num_layers):
             for k, shard, src in store.chunk_files(i):
                 lay, at = store.layouts[k], part.position(k)
                 if at is None:
                     continue
-                dst = self._chunk(part, at, chunk_index(part.stream_of(at), i, shard_grid(shard, lay),
+                dst = self._chunk(part, at, chunk_index(part.stream_of(at), first + i, shard_grid(shard, lay),
                                                         lay.shard_shape, lay.layer_shape))
                 if self.staged or not self._try_link(src, dst):
                     staged = os.path.join(self.staging, os.path.relpath(dst, self.root))
@@ -231,22 +233,23 @@ class Snapshot:
 
     def _write_arrays(self) -> None:
         """Every referenced layer, last first; each store may replace a layer once it is written."""
-        for i in reversed(range(max((len(layers) for _, layers in self.arrays), default=0))):
-            for part, layers in self.arrays:
-                if i >= len(layers) or layers[i] is None:
+        for layer in reversed(range(max((first + len(layers) for _, _, first, layers in self.arrays), default=0))):
+            for part, store, first, layers in self.arrays:
+                i = layer - first
+                if not 0 <= i < len(layers) or layers[i] is None:
                     continue
                 for k, x in enumerate(layers[i]):
                     at = part.position(k)
                     if at is not None:
-                        self._write_array(part, at, i, x)
+                        self._write_array(part, at, layer, x)
                 layers[i] = None
-                if part.store is not None:
-                    part.store.saved(i)
+                if store is not None:
+                    store.saved(i)
 
     def _let_go(self) -> None:
-        for part, _ in self.arrays:
-            if part.store is not None:
-                part.store.release_saves()
+        for _, store, _, _ in self.arrays:
+            if store is not None:
+                store.release_saves()
         self.arrays.clear()
 
     def discard(self) -> None:

@@ -303,7 +303,7 @@ class Step:
             return False
         if (position, i) in engine.reuse:
             return False
-        return self._store("params", group).memory_kind != "device"
+        return self._store("params", group).memory_kind_at(i) != "device"
 
     def _scan_step(self, stage, state, i: int, s_groups, read_groups, owned, trees) -> None:
         n, saved = len(read_groups), self.engine.saves_residuals

@@ -63,7 +63,7 @@ class Updates:
     def _kind(self, tier_key: str) -> str:
         """The memory kind the update reads state of the tier ``tier_key`` into: host memory for the update on
         the host (unless the state is on the device), else device memory."""
-        on_device = getattr(self.engine.config, tier_key) == "device"
+        on_device = getattr(self.engine.config, tier_key) == "device"  # a split is on host and nvme
         return self.engine.host_kind if self.engine.on_host and not on_device else "device"
 
     def discard(self, group: str) -> None:
@@ -124,7 +124,7 @@ class Updates:
         engine = self.engine
         opt = self._store("opt", group) if has_state else None
         if engine.on_host:  # gradients and in-memory state come from the device: no buffers its host outputs can reuse
-            return (2,) if opt is not None and opt.tier == "nvme" else ()
+            return (2,) if opt is not None and opt.tier_at(i) == "nvme" else ()
         state = opt is not None and opt.hands_over(i)
         master = self._store("master" if engine.stores.master else "params", group).hands_over(i)
         if not engine.stores.master:  # fp32: the compute copy is the master, and the first output

@@ -65,7 +65,15 @@ NVME_MMAP_THRESHOLD = 4 << 20
 
 
 class MemoryBudgetError(UserError):
-    """The memory budget cannot hold what one step needs."""
+    """The memory budget cannot hold what one step needs; ``short``: by how many bytes (0 where not known)."""
+
+    short = 0
+
+    @classmethod
+    def short_by(cls, short: int, message: str) -> MemoryBudgetError:
+        error = cls(message)
+        error.short = short
+        return error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +184,7 @@ def make_budget(config, read_bytes: int, write_bytes: int, resident: int = 0,
     least = minimum_bytes(baseline, resident, read_bytes, write_bytes)
     if limit < least:
         held = f", {format_bytes(resident)} of state held in memory" if resident else ""
-        raise MemoryBudgetError(
+        raise MemoryBudgetError.short_by(least - limit,
             f"a memory budget of {format_bytes(limit)} ({source}) cannot train this model: the process holds "
             f"{format_bytes(baseline)} already{held}, and one step needs "
             f"{format_bytes(LIVE_BASE * read_bytes)} for the layer computing and "

@@ -33,7 +33,14 @@ from zinfjax.engine.in_place import in_place_leaves
 from zinfjax.engine.loss_scale import LossScale
 from zinfjax.engine.parts import fill_parts
 from zinfjax.engine.readahead import ReadAhead
-from zinfjax.engine.stores import build_stores, spools_gradients, store_specs, tied_groups, written_alone
+from zinfjax.engine.stores import (
+    build_stores,
+    split_advice,
+    spools_gradients,
+    store_specs,
+    tied_groups,
+    written_alone,
+)
 from zinfjax.engine.telemetry import StepTelemetry
 from zinfjax.engine.writebehind import WriteBehind
 from zinfjax.errors import UserError
@@ -82,8 +89,14 @@ def prepare(program: Program, tx, config: Config, mesh: Mesh, tp_rules: tuple = 
     specs, acts = store_specs(config, program, layout.plan, layout.placement, compute_dtype)
     # What this process's devices hold of one step's saved residuals, at most: the batch's rows split over data.
     residuals = residual_bytes(program, config.grad_accum) * len(mesh.local_devices) // mesh.shape["data"]
-    planned = plan_engine(PlanInputs(config, program, layout.plan, specs, list(acts.values()), platform, residuals,
-                                     spools, on_host))
+    try:
+        planned = plan_engine(PlanInputs(config, program, layout.plan, specs, list(acts.values()), platform,
+                                         residuals, spools, on_host))
+    except MemoryBudgetError as e:
+        advice = split_advice(config, specs + list(acts.values()), e.short)
+        if not advice:
+            raise
+        raise MemoryBudgetError.short_by(e.short, f"{e}; {advice}") from None
     return Prepared(compute_dtype, rules, platform, update_on, host_kind, fallback, layout, spools, specs, acts,
                     residuals, planned)
 
@@ -276,7 +289,7 @@ class Engine:
         crash_marker.begin(self.config, self.step_count + 1)
         if self.capped:  # the last step's freed buffers leave the heap before this one's peak
             allocator.trim()
-        telemetry = self._telemetry = StepTelemetry(self.stores.all(), self.tracer)
+        telemetry = self._telemetry = StepTelemetry(self.stores.pieces(), self.tracer)
         try:
             io = StepIO(self._dispatch, self._write, self._tied, telemetry)
             step = Step(self, io, self._micro_batches(batch), self._keys(rng))
@@ -351,7 +364,7 @@ class Engine:
         future = store.write(i, tree, keys)
         nbytes = store.part_nbytes(keys)
         if self._telemetry is not None:
-            self._telemetry.add_write(store, keys, from_host)
+            self._telemetry.add_write(store, i, keys, from_host)
         if self.tracer is not None:
             self.tracer.write(track, i, t0, future)
         self._behind.written(future, nbytes)  # the bytes in flight bounded by the memory budget (`WriteBehind`)

@@ -173,7 +173,7 @@ def _reads_cost(inputs: PlanInputs) -> set:
     accelerator (on the CPU backend a host-tier read copies nothing)."""
     cpu = inputs.platform == "cpu"
     return {s.group for s in inputs.specs
-            if s.kind == "params" and (s.tier == "nvme" or (s.tier == "host" and not cpu))}
+            if s.kind == "params" and ("nvme" in s.tiers or ("host" in s.tiers and not cpu))}
 
 
 def _reuse_saves_a_read(inputs: PlanInputs, parts: dict):

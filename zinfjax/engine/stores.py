@@ -20,20 +20,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zinfjax._util.byte_sizes import format_bytes
+from zinfjax._util.choices import TIER_KEYS
+from zinfjax._util.tier_split import TierSplit
 from zinfjax.config import Config
 from zinfjax.engine.placement import Placement
+from zinfjax.errors import ConfigError
 from zinfjax.program.optimizer import UpdatePlan
 from zinfjax.program.split import Program
 from zinfjax.store import BufferPool, LayerStore, open_store, staging_bytes
 from zinfjax.store.disk import check_free_space, prepare_directory
 from zinfjax.store.errors import BufferBudgetError
 from zinfjax.store.pool import staging_pool
+from zinfjax.store.split import pieces_of
 
 # The engine's nvme stores hold its working state, which a crash mid-step leaves inconsistent
 # across layers whatever each chunk does; durable copies are checkpoints. So chunks are
 # overwritten in place, without fsync: no inode made and freed per chunk, no flush to wait for.
 # The checksum still catches a chunk torn by a crash.
-SCRATCH_NVME = {"atomic": False, "file_io_sync": False}
+# A store left by a run of another model or split is replaced: the engine writes all of it before reading any.
+SCRATCH_NVME = {"atomic": False, "file_io_sync": False, "replace": True}
 KINDS = ("params", "master", "opt", "grads")
 
 
@@ -50,6 +56,21 @@ class StoreSpec:
     def name(self) -> str:
         """The store's directory under ``nvme_path``."""
         return f"{self.kind}_{dir_name(self.group)}"
+
+    @property
+    def length(self) -> int:
+        """The store's slices."""
+        return next(iter(self.like.values())).shape[0] if self.like else 0
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The tiers its slices are on (`zinfjax._util.tier_split`)."""
+        return tuple(t for t, _, _ in TierSplit.parse(self.tier).ranges(self.length))
+
+    def bytes_on(self, tiers) -> int:
+        """Bytes of its slices that the tiers ``tiers`` hold."""
+        per_slice = slice_bytes(self)
+        return sum((b - a) * per_slice for t, a, b in TierSplit.parse(self.tier).ranges(self.length) if t in tiers)
 
 
 def dir_name(group: str) -> str:
@@ -87,6 +108,10 @@ class EngineStores:
 
     def all(self) -> list[LayerStore]:
         return [s for kind in self.stores.values() for s in kind.values()] + list(self.acts.values())
+
+    def pieces(self) -> list[LayerStore]:
+        """Every store of one tier: the stores, each split one (`zinfjax.store.split`) as its pieces."""
+        return [piece for store in self.all() for _, piece in pieces_of(store)]
 
     def flush(self) -> None:
         for store in self.all():
@@ -197,7 +222,7 @@ def budget_needs(specs: list[StoreSpec], acts: list[StoreSpec], platform: str,
     read = max(per_group.values(), default=0) + max((slice_bytes(a) for a in acts), default=0)
     write = largest_staged(specs + acts, parts, alone)
     in_memory = ("host", "device") if platform == "cpu" else ("host",)
-    resident = sum(_nbytes(s.like) for s in specs + acts if s.tier in in_memory)
+    resident = sum(s.bytes_on(in_memory) for s in specs + acts)
     return read, write, resident
 
 
@@ -214,7 +239,7 @@ def staged(spec: StoreSpec, parts: dict, alone: frozenset = frozenset()) -> list
 
 def largest_staged(specs: list[StoreSpec], parts: dict, alone: frozenset = frozenset()) -> int:
     """The host buffer bytes the largest read or write of the nvme stores stages."""
-    return max((staging_bytes(like) for s in specs if s.tier == "nvme" and s.like
+    return max((staging_bytes(like) for s in specs if "nvme" in s.tiers
                 for like in staged(s, parts, alone)), default=0)
 
 
@@ -227,16 +252,12 @@ def written_alone(program: Program, plan: UpdatePlan, spooled: bool, platform: s
     return frozenset(program.leaves[k].path for k in masterless(program, plan, spooled))
 
 
-def _nbytes(tree) -> int:
-    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
 
 def preflight(config: Config, specs: list[StoreSpec], parts: dict | None = None, in_place: dict | None = None,
               alone: frozenset = frozenset()) -> None:
     """Before anything is written: the path is writable, can hold the state (but the leaves read ``in_place``),
     and one slice fits the buffers."""
-    on_nvme = [s.like for s in specs if s.tier == "nvme" and s.like]
-    if not on_nvme:
+    if not any("nvme" in s.tiers for s in specs):
         return
     layer = largest_staged(specs, parts or {}, alone)
     if layer > config.host_buffer_bytes:
@@ -246,9 +267,10 @@ def preflight(config: Config, specs: list[StoreSpec], parts: dict | None = None,
         )
     prepare_directory(config.nvme_path)
     kept = in_place or {}
-    written = [{p: x for p, x in s.like.items() if not (s.kind == "params" and p in kept.get(s.group, {}))}
-               for s in specs if s.tier == "nvme" and s.like]
-    check_free_space(config.nvme_path, sum(_nbytes(like) for like in written))
+    written = [dataclasses.replace(s, like={p: x for p, x in s.like.items()
+                                            if not (s.kind == "params" and p in kept.get(s.group, {}))})
+               for s in specs if "nvme" in s.tiers]
+    check_free_space(config.nvme_path, sum(s.bytes_on(("nvme",)) for s in written if s.like))
 
 
 def build_stores(config: Config, specs: list[StoreSpec], acts: dict[int, StoreSpec],
@@ -263,7 +285,7 @@ def build_stores(config: Config, specs: list[StoreSpec], acts: dict[int, StoreSp
     opened: dict[str, dict[str, LayerStore]] = {}
 
     def open_one(spec: StoreSpec) -> LayerStore:
-        options = dict(SCRATCH_NVME) if spec.tier == "nvme" else {}
+        options = dict(SCRATCH_NVME)  # the memory tiers take none
         if spec.kind == "params" and spec.group in in_place:
             options["in_place"] = in_place[spec.group]
         return open_store(spec.tier, spec.like, path=config.nvme_path, name=spec.name, pool=pool,
@@ -322,4 +344,46 @@ def store_specs(config: Config, program: Program, plan: UpdatePlan, placement: P
     spooled = set(program.groups) if spools else set(tied_groups(program))
     specs = plan_stores(config, program, plan, placement, compute_dtype, spooled, masterless(program, plan, spools))
     acts = {s.position: acts_spec(config, s, placement, config.grad_accum) for s in program.scans()}
+    check_splits(config, specs + list(acts.values()))
     return specs, acts
+
+
+KIND_KEY = {"params": "params", "master": "optimizer", "opt": "optimizer", "grads": "gradients", "acts": "activations"}
+
+
+def check_splits(config: Config, specs: list[StoreSpec]) -> None:
+    """Refuses a split (``host:12,nvme``) that names more layers than the longest store of its part holds."""
+    for key in TIER_KEYS:
+        split = TierSplit.parse(getattr(config, key))
+        longest = max((s.length for s in specs if KIND_KEY[s.kind] == key), default=0)
+        if not split.whole and split.counted > longest:
+            raise ConfigError(f"{key}={split} names {split.counted} layers, but the model's {key} stores have at most "
+                              f"{longest}; name {longest} or fewer")
+
+
+def split_advice(config: Config, specs: list[StoreSpec], short: int) -> str:
+    """For a budget ``short`` bytes short of a step: how many fewer layers each split part (``host:12,nvme``) must
+    hold in host memory for it to fit (with one to spare: the process's own memory moves a little), or ``""``.
+
+    Example:
+        >>> split_advice(Config(optimizer="host:12,nvme", nvme_path="/tmp/x"), specs, 300 << 20)  # doctest: +SKIP
+        'optimizer=host:12,nvme holds 1.3 GiB in host memory; optimizer=host:5,nvme (7 fewer layers of 112.0 MiB) fits'
+    """
+    tips = []
+    for key in TIER_KEYS:
+        split = TierSplit.parse(getattr(config, key))
+        streamed = [s for s in specs if KIND_KEY[s.kind] == key and s.length > 1]
+        if split.whole or not streamed or short <= 0:
+            continue
+        length, per_layer = max(s.length for s in streamed), sum(slice_bytes(s) for s in streamed)
+        held = sum(b - a for t, a, b in split.ranges(length) if t == "host")
+        fewer = -(-short // per_layer) + 1
+        kept = held - fewer
+        if kept <= 0:
+            tips.append(f"{key}=nvme frees the {format_bytes(held * per_layer)} {key}={split} holds in host memory, "
+                        "not enough alone")
+            continue
+        new = f"host:{kept},nvme" if split.tiers[0] == "host" else f"nvme:{length - kept},host"
+        tips.append(f"{key}={split} holds {format_bytes(held * per_layer)} in host memory; {key}={new} "
+                    f"({fewer} fewer layers of {format_bytes(per_layer)}) fits")
+    return " or ".join(tips)

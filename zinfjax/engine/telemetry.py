@@ -115,17 +115,18 @@ class StepTelemetry:
             for r in group:
                 if r.store.tier is None:  # parameters the forward kept (engine/reuse.py): nothing read
                     continue
-                self.per_device[f"read_bytes_{r.store.tier}_per_device"] += self._bytes(r.store, "read", r.keys)
-                if r.store.memory_kind != "device" and r.memory_kind == "device":
+                tier = r.store.tier_at(r.layer)
+                self.per_device[f"read_bytes_{tier}_per_device"] += self._bytes(r.store, "read", r.keys)
+                if r.store.memory_kind_at(r.layer) != "device" and r.memory_kind == "device":
                     self.link_bytes += r.store.part_nbytes(r.keys)
         if self.tracer is not None:
             self.tracer.reads(reads.events)
 
-    def add_write(self, store, keys=None, from_host: bool = False) -> None:
-        """Counts one layer (or its leaves ``keys``) written to ``store`` by the step (``from_host``: arrays
+    def add_write(self, store, i: int, keys=None, from_host: bool = False) -> None:
+        """Counts layer ``i`` (or its leaves ``keys``) written to ``store`` by the step (``from_host``: arrays
         already in host memory, which do not cross the host link to reach the host or NVMe tier)."""
-        self.per_device[f"write_bytes_{store.tier}_per_device"] += self._bytes(store, "write", keys)
-        if store.memory_kind != "device" and not from_host:
+        self.per_device[f"write_bytes_{store.tier_at(i)}_per_device"] += self._bytes(store, "write", keys)
+        if store.memory_kind_at(i) != "device" and not from_host:
             self.link_bytes += store.part_nbytes(keys)
 
     def add_link(self, nbytes: int) -> None:

@@ -35,6 +35,7 @@ from zinfjax.inference.params import ParamStores
 from zinfjax.inference.sampling import Sampling, next_tokens
 from zinfjax.models import ModelConfig
 from zinfjax.store import open_store
+from zinfjax.store.split import pieces_of
 
 
 @dataclasses.dataclass
@@ -131,7 +132,7 @@ def _jitted(dec):
 
 def _bytes(stores) -> dict[str, int]:
     out: dict[str, int] = {}
-    for store in stores:
+    for store in (piece for s in stores for _, piece in pieces_of(s)):
         out[store.tier] = out.get(store.tier, 0) + store.stats.bytes_read
     return out
 

@@ -44,9 +44,8 @@ class ParamStores:
         self.stores = {}
         for g in GROUPS:
             like = jax.tree.map(functools.partial(self._stacked, stacked=g == "blocks"), abstract[g])
-            options = SCRATCH_NVME if config.params == "nvme" else {}
             self.stores[g] = open_store(config.params, like, path=config.nvme_path, name=f"{name}_{g}",
-                                        pool=self.pool, **options)
+                                        pool=self.pool, **SCRATCH_NVME)  # the memory tiers take no options
 
     def _stacked(self, x, stacked: bool) -> jax.ShapeDtypeStruct:
         dtype = self.dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype

@@ -7,9 +7,9 @@ import itertools
 
 from zinfjax._util.choices import TIER_KEYS, TIERS
 from zinfjax.config import Config
-from zinfjax.engine.budget import COMPILE_RESERVE, LIVE_BASE, minimum_bytes
+from zinfjax.engine.budget import COMPILE_RESERVE, LIVE_BASE, LIVE_PER_DEPTH, minimum_bytes
 from zinfjax.engine.stores import StoreSpec, budget_needs
-from zinfjax.planning.state import KIND_TIER, device_bytes, tree_bytes
+from zinfjax.planning.state import KIND_TIER, device_bytes
 
 NOMINAL = {"disk_read_GBps": 1.0, "disk_write_GBps": 1.0, "host_copy_GBps": 4.0, "nvme_step_GBps": 1.0,
            "flops_per_s": 2e10}
@@ -32,19 +32,22 @@ def uses_reference(config: Config, tiers: dict[str, str]) -> bool:
     return config.stage == 0 and not config.save_dir and all(t == "device" for t in tiers.values())
 
 
-def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dict, cut: dict | None = None) -> dict:
+def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dict, cut: dict | None = None,
+        read_ahead: bool = False) -> dict:
     """What ``tiers`` needs of host memory, device memory and disk, and what is short of each
-    (``cut``: the groups the engine updates in parts)."""
+    (``cut``: the groups the engine updates in parts; ``read_ahead``: room for the engine to read ahead, beyond
+    its least budget, `zinfjax.engine.budget.make_budget`)."""
     cpu = machine["platform"] == "cpu"
     held = {"device": 0, "host": 0, "nvme": 0}
     device_held = 0
     specs = []
     for kind, group, like in stores:
-        tier = tiers[KIND_TIER[kind]]
-        held[tier] += tree_bytes(like)
-        if tier == "device":
+        spec = StoreSpec(kind, group, tiers[KIND_TIER[kind]], like)
+        for tier in held:
+            held[tier] += spec.bytes_on((tier,))
+        if spec.tier == "device":  # a split holds host and nvme layers alone
             device_held += device_bytes(like)
-        specs.append(StoreSpec(kind, group, tier, like))
+        specs.append(spec)
     read, write_slice, _ = budget_needs([s for s in specs if s.kind != "acts"], [s for s in specs if s.kind == "acts"],
                                         machine["platform"], cut)
     transient = parts["activation_transient"]
@@ -54,6 +57,7 @@ def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dic
     else:  # the engine's budget (zinfjax.engine.budget.make_budget), and one layer's transient
         resident = held["host"] + (held["device"] if cpu else 0)
         host_need = minimum_bytes(machine["baseline_bytes"], resident, read, write_slice) + transient
+        host_need += read_ahead * (2 * write_slice + LIVE_PER_DEPTH * read)  # a second slice, one more read ahead
     need = {"host": host_need, "nvme": held["nvme"]}
     have = {"host": machine["host_bytes"], "nvme": machine["nvme_free_bytes"] or 0}
     if not cpu:
@@ -74,11 +78,12 @@ def traffic(stores, tiers: dict[str, str], factors: dict | None) -> dict[str, fl
     out = {f"{op}_{t}": 0.0 for t in TIERS for op in ("read", "write")}
     factors = factors or {}
     for kind, group, like in stores:
-        n = tree_bytes(like)
-        tier = tiers[KIND_TIER[kind]]
-        r, w = factors.get(tier, factors.get("device", {})).get(f"{kind}|{group}") or NOMINAL_TRAFFIC[kind]
-        out[f"read_{tier}"] += r * n
-        out[f"write_{tier}"] += w * n
+        spec = StoreSpec(kind, group, tiers[KIND_TIER[kind]], like)
+        for tier in spec.tiers:
+            n = spec.bytes_on((tier,))
+            r, w = factors.get(tier, factors.get("device", {})).get(f"{kind}|{group}") or NOMINAL_TRAFFIC[kind]
+            out[f"read_{tier}"] += r * n
+            out[f"write_{tier}"] += w * n
     return out
 
 

@@ -13,12 +13,17 @@ Example:
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 
 from zinfjax._util.byte_sizes import format_bytes
+from zinfjax._util.choices import TIER_KEYS
 from zinfjax.config import Config
 from zinfjax.errors import UserError
 from zinfjax.planning.calibrate import (
@@ -31,8 +36,11 @@ from zinfjax.planning.calibrate import (
     scale_to_model,
 )
 from zinfjax.planning.cost import NOMINAL, fit, placements, predict, traffic, uses_reference
+from zinfjax.planning.fill import fill_memory
 from zinfjax.planning.probes import MiB, probe_disk, probe_host_copy
 from zinfjax.planning.state import _specs, budgets, state_parts
+from zinfjax.runtime import rss
+from zinfjax.runtime.cpu_load import OtherLoad
 from zinfjax.store.disk import prepare_directory
 from zinfjax.store.layout import host_tier_kind
 
@@ -57,8 +65,9 @@ OFFLOAD_ORDER = {"device": 0, "host": 1, "nvme": 2}
 TIE = 0.1  # predictions this close count as equal: the placement that offloads less wins
 
 
-def make_plan(config: Config, probe: bool = True) -> dict:
-    """The plan for ``config`` on this machine; raises `PlanError` when no placement fits.
+def make_plan(config: Config, probe: bool = True, baseline: int | None = None) -> dict:
+    """The plan for ``config`` on this machine; raises `PlanError` when no placement fits. ``baseline``: what the
+    process that will train holds already (default: this one's resident memory).
 
     Example:
         >>> make_plan(Config(model="gpt2-tiny"), probe=False)["parts"]["params"]  # fp32 bytes
@@ -69,10 +78,15 @@ def make_plan(config: Config, probe: bool = True) -> dict:
     config = config.with_batch_for(_data_size(config))
     model_config = models.ModelConfig.resolve(config.model)
     _check_batch(config, model_config)
-    machine = budgets(config)
+    model_config = plan_tiles(config, model_config)
+    machine = budgets(config, baseline)
     stores, cut = _specs(config, model_config)
     parts = state_parts(config, model_config, stores)
     candidates = placements(nvme=bool(config.nvme_path))
+    for ahead in (True, False) if config.nvme_path else ():  # memory first, with room to read ahead and without
+        filled = fill_memory(config, parts, stores, machine, cut, ahead=ahead)
+        if filled is not None and filled not in candidates:
+            candidates.append(filled)
     fits = [(tiers, fit(config, parts, stores, tiers, machine, cut)) for tiers in candidates]
     if not any(f["fits"] for _, f in fits):
         raise PlanError(shortfall(config, fits, machine))
@@ -91,12 +105,14 @@ def make_plan(config: Config, probe: bool = True) -> dict:
         notes.append("no probes: nominal disk, host-copy and compute figures")
     if "disk_note" in rates:
         notes.append(rates.pop("disk_note"))
+    if busy_note(rates):
+        notes.append(busy_note(rates))
     rows = []
     for tiers, f in fits:
         moved = traffic(stores, tiers, factors)
         rows.append({"tiers": tiers, "fits": f["fits"], "need": f["need"], "short": f["short"], "bytes_per_step": moved,
                      **predict(config, tiers, moved, rates, machine["platform"])})
-    rows.sort(key=lambda r: (not r["fits"], round(r["step_s"], 4), sum(OFFLOAD_ORDER[t] for t in r["tiers"].values())))
+    rows.sort(key=lambda r: (not r["fits"], round(r["step_s"], 4), offloaded(r["tiers"])))
     best = recommend(rows)
     if machine["platform"] == "cpu":
         notes.append("CPU backend: device memory is host memory, so the device and host tiers share the host budget")
@@ -105,7 +121,27 @@ def make_plan(config: Config, probe: bool = True) -> dict:
     return {"model": config.model, "batch_size": config.batch_size, "seq_len": config.seq_len,
             "precision": config.precision, "stage": config.stage, "mesh": config.mesh, "parts": parts,
             "machine": machine, "rates": rates, "probed": probe, "notes": notes,
-            "recommended": {"tiers": best["tiers"], "step_s": best["step_s"]}, "placements": rows}
+            "tiles": model_config.tiles, "recommended": {"tiers": best["tiers"], "step_s": best["step_s"]},
+            "placements": rows}
+
+
+def plan_tiles(config: Config, model_config):
+    """The model the placements are planned for, tiles first: the count ``tiles`` gives, or for ``tiles=auto`` the
+    fewest whose largest operation fits the budget with the state where it takes least memory (every part on NVMe,
+    with an ``nvme_path``; `zinfjax.trainers.streaming.choose_tiles`). The placement gets what is left."""
+    if config.tiles != "auto":
+        return model_config.replace(tiles=int(config.tiles))
+    if config.lora_rank:  # adapters run in untiled blocks (models/lora.py)
+        return model_config
+    from zinfjax.engine.budget import MemoryBudgetError
+    from zinfjax.sharding import make_mesh
+    from zinfjax.trainers.streaming import choose_tiles
+
+    least = config.replace(**dict.fromkeys(TIER_KEYS, "nvme"), tiers="manual") if config.nvme_path else config
+    try:
+        return choose_tiles(model_config, least, make_mesh(config.mesh_axes()))
+    except MemoryBudgetError:  # no count fits: the placements' fits say what is short
+        return model_config
 
 
 def _measure(config: Config, model_config, stores, parts: dict, machine: dict, rates: dict, copies: bool,
@@ -122,6 +158,33 @@ def _measure(config: Config, model_config, stores, parts: dict, machine: dict, r
         rates.update(probe_disk(config.nvme_path))
     state = parts["params"] + parts["master"] + parts["optimizer"] + parts["gradients"]
     layers = calibration_layers(model_config, state, machine["host_bytes"])
+    with OtherLoad() as load:
+        factors = _calibrate(config, model_config, layers, rates, copies, reference, machine)
+    rates["other_cpu_cores"] = load.cores
+    return factors
+
+
+BUSY_CORES = 0.25  # other processes' load during calibration worth a warning: a quarter of a core
+
+
+def busy_note(rates: dict) -> str | None:
+    """A warning when other processes kept the machine busy while the plan timed its steps, or None.
+
+    Example:
+        >>> busy_note({"other_cpu_cores": 1.6})[:52]
+        'other processes kept 1.60 cores busy while the plan '
+    """
+    cores = rates.get("other_cpu_cores", 0.0)
+    if cores < BUSY_CORES:
+        return None
+    return (f"other processes kept {cores:.2f} cores busy while the plan timed its steps (this machine has "
+            f"{os.cpu_count()}): the predicted steps are those of a shared machine, slower than this one alone, and "
+            "the placement may differ from the one it would choose idle; plan again when it is idle")
+
+
+def _calibrate(config: Config, model_config, layers: int, rates: dict, copies: bool, reference: bool,
+               machine: dict) -> dict:
+    """The timed runs of `_measure`, into ``rates``; returns the bytes per byte each store moves, by tier."""
     calibration = calibrate_engine(config, model_config, layers)
     factors = {"device": calibration["traffic"]}
     if copies:
@@ -141,15 +204,27 @@ def _measure(config: Config, model_config, stores, parts: dict, machine: dict, r
 
 
 def recommend(rows: list[dict], within: float = TIE) -> dict:
-    """The fastest placement that fits; among those within ``within`` of it, the one that offloads least.
+    """The fastest placement that fits; among those within ``within`` of it, the one that moves the fewest bytes
+    on NVMe, and of those the one that offloads least.
 
     A prediction is not exact to a few percent, and offloading what need not be costs memory
-    traffic for nothing.
+    traffic for nothing: the disk's bytes first, which bound a step on NVMe (docs/planning.md).
     """
     fitting = [r for r in rows if r["fits"]]
     fastest = min(r["step_s"] for r in fitting)
     close = [r for r in fitting if r["step_s"] <= (1 + within) * fastest]
-    return min(close, key=lambda r: (sum(OFFLOAD_ORDER[t] for t in r["tiers"].values()), r["step_s"]))
+    return min(close, key=lambda r: (round(nvme_bytes(r)), offloaded(r["tiers"]), r["step_s"]))
+
+
+def nvme_bytes(row: dict) -> float:
+    """The bytes a placement's step reads from and writes to NVMe."""
+    moved = row["bytes_per_step"]
+    return moved["read_nvme"] + moved["write_nvme"]
+
+
+def offloaded(tiers: dict[str, str]) -> float:
+    """How far a placement offloads: device 0, host 1, nvme 2 per tier key, a split of host and nvme between."""
+    return sum(OFFLOAD_ORDER.get(t, 1.5) for t in tiers.values())
 
 
 def _data_size(config: Config) -> int:
@@ -182,10 +257,41 @@ def shortfall(config: Config, fits: list, machine: dict) -> str:
     return f"{config.model} fits no placement; the closest ({place}): {what}{hint}"
 
 
-def resolve_auto(config: Config, probe: bool = True) -> tuple[Config, dict]:
-    """``config`` with ``tiers=auto`` replaced by the recommended tiers (and ``tiers=manual``)."""
-    plan = make_plan(config, probe=probe)
-    return config.replace(**plan["recommended"]["tiers"], tiers="manual"), plan
+def resolve_auto(config: Config, probe: bool = True, isolated: bool = False) -> tuple[Config, dict]:
+    """``config`` with ``tiers=auto`` replaced by the recommended tiers (and ``tiers=manual``).
+
+    ``isolated``: plan in a child process (`plan_apart`), so that what the calibration runs leave in memory (their
+    compiled functions, their heap) is not the run's: the budget the plan fits is then the run's too.
+    """
+    plan = plan_apart(config, probe) if isolated else make_plan(config, probe=probe)
+    tiles = {"tiles": str(plan["tiles"])} if config.tiles == "auto" and not config.lora_rank else {}
+    return config.replace(**plan["recommended"]["tiers"], tiers="manual", **tiles), plan
+
+
+def plan_apart(config: Config, probe: bool = True) -> dict:
+    """`make_plan` in a child Python process; its `UserError` raised here as a `PlanError` with the same message."""
+    code = "import sys; from zinfjax.planning.recommend import _plan_child; _plan_child(*sys.argv[1:])"
+    argv = [sys.executable, "-c", code, "1" if probe else "0", str(rss.current_bytes())]  # this process's memory
+    child = subprocess.run(argv, input=json.dumps(config.to_dict()), capture_output=True, text=True)
+    sys.stderr.write(child.stderr)
+    try:
+        out = json.loads(child.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise RuntimeError(f"the planning process failed (exit {child.returncode}): {child.stderr[-2000:]}") from None
+    if "error" in out:
+        raise PlanError(out["error"])
+    return out
+
+
+def _plan_child(probe: str, baseline: str) -> None:
+    """The child of `plan_apart`: a config on stdin, the plan (or ``{"error": message}``) as one JSON line, fitted to
+    the parent's ``baseline`` memory."""
+    config = Config.from_dict(json.loads(sys.stdin.read()))
+    try:
+        out = make_plan(config, probe=probe == "1", baseline=int(baseline))
+    except UserError as e:
+        out = {"error": str(e)}
+    print(json.dumps(out, default=str))
 
 
 # ---- output -------------------------------------------------------------------------------------

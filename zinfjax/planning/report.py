@@ -27,20 +27,23 @@ def format_plan(plan: dict, top: int = 12) -> str:
         lines.append(f"  {label:<24}{format_bytes(p[key]):>12}{extra}")
     nvme = "not set" if m["nvme_free_bytes"] is None else f"{format_bytes(m['nvme_free_bytes'])} free"
     device = "= host memory (CPU backend)" if m["device_bytes"] is None else format_bytes(m["device_bytes"])
+    lines.append(f"  {'tiles':<24}{plan.get('tiles', 1):>12}  (each block's MLP and attention; tiles=auto: the fewest "
+                 "whose largest operation fits the budget, chosen before the placement)")
     lines += ["", f"machine: host budget {format_bytes(m['host_bytes'])} ({m['host_source']}), device {device}, "
               f"nvme {nvme}",
               f"rates{'' if plan['probed'] else ' (nominal)'}: compute {r['engine_s']:.3f} s/step (engine), "
               f"{r['reference_s']:.3f} s/step (in-memory), host copy {_rate(r['host_copy_GBps'])}, "
               f"disk read {r['disk_read_GBps']:.2f} / write {r['disk_write_GBps']:.2f} GB/s, nvme tier in a step "
               f"{r['nvme_step_GBps']:.2f} GB/s", ""]
-    header = f"{'params':<8}{'optimizer':<10}{'gradients':<10}{'activations':<12}{'fits':<6}{'step s':>8}" \
-             f"{'compute':>9}{'host':>8}{'nvme':>8}  short"
-    lines.append(header)
     shown = shown_placements(plan["placements"], top)
+    keys = ("params", "optimizer", "gradients", "activations")
+    width = {k: 2 + max(len(k), *(len(r["tiers"][k]) for r in shown)) for k in keys}  # a split is longer
+    lines.append("".join(f"{k:<{width[k]}}" for k in keys) + f"{'fits':<6}{'step s':>8}{'compute':>9}{'host':>8}"
+                 f"{'nvme':>8}  short")
     for row in shown:
         t = row["tiers"]
         short = ", ".join(f"{k} {format_bytes(v)}" for k, v in row["short"].items())
-        lines.append(f"{t['params']:<8}{t['optimizer']:<10}{t['gradients']:<10}{t['activations']:<12}"
+        lines.append("".join(f"{t[k]:<{width[k]}}" for k in keys) +
                      f"{'yes' if row['fits'] else 'no':<6}{row['step_s']:>8.3f}{row['compute_s']:>9.3f}"
                      f"{row['host_copy_s']:>8.3f}{row['nvme_io_s']:>8.3f}  {short}")
     lines += more_placements(plan["placements"], shown)

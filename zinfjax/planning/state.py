@@ -109,8 +109,9 @@ def nvme_free(nvme_path: str | None) -> int | None:
     return shutil.disk_usage(_existing(nvme_path)).free if nvme_path else None
 
 
-def budgets(config: Config) -> dict:
-    """The host budget (and its source), the device memory (None on the CPU backend: it is host memory), NVMe."""
+def budgets(config: Config, baseline: int | None = None) -> dict:
+    """The host budget (and its source), the device memory (None on the CPU backend: it is host memory), NVMe, and
+    what the process holds already (``baseline``: this process's resident memory unless given)."""
     if config.memory_limit:
         host, source = int(config.memory_limit), "memory_limit"
     else:
@@ -121,4 +122,5 @@ def budgets(config: Config) -> dict:
         stats = device.memory_stats() or {}
         device_limit = stats.get("bytes_limit")
     return {"platform": device.platform, "host_bytes": host, "host_source": source, "device_bytes": device_limit,
-            "nvme_free_bytes": nvme_free(config.nvme_path), "baseline_bytes": rss.current_bytes()}
+            "nvme_free_bytes": nvme_free(config.nvme_path),
+            "baseline_bytes": rss.current_bytes() if baseline is None else baseline}

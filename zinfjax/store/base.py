@@ -105,6 +105,14 @@ class LayerStore:
         """Bytes of one whole layer (all leaves, all shards)."""
         return sum(lay.layer_nbytes for lay in self.layouts)
 
+    def tier_at(self, i: int) -> str:
+        """The tier holding layer ``i``: the store's own, but in a split store (`zinfjax.store.split`)."""
+        return self.tier
+
+    def memory_kind_at(self, i: int) -> str | None:
+        """The memory kind layer ``i`` is held in (None on NVMe): the store's own, but in a split store."""
+        return self.memory_kind
+
     def hands_over(self, i: int) -> bool:
         """Whether a computation may take over the buffers a read of layer ``i`` returns, its outputs being
         written back to this store right after: true for the nvme tier, whose reads are fresh buffers, and

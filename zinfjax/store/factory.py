@@ -7,6 +7,7 @@ import os
 import jax
 
 from zinfjax._util.choices import TIERS
+from zinfjax._util.tier_split import SplitError, TierSplit
 from zinfjax.store.base import LayerStore
 from zinfjax.store.chunkfile import slot_bytes
 from zinfjax.store.errors import StoreUsageError
@@ -14,6 +15,7 @@ from zinfjax.store.layout import leaf_layout, leaf_names
 from zinfjax.store.memory import DeviceStore, HostStore
 from zinfjax.store.nvme import NvmeStore
 from zinfjax.store.pool import BufferPool
+from zinfjax.store.split import SplitStore
 
 
 def open_store(
@@ -31,7 +33,8 @@ def open_store(
     """Opens (or creates) a store of stacked leaves on one tier.
 
     Args:
-        tier: "device", "host" or "nvme".
+        tier: "device", "host" or "nvme", or a split of host and nvme layers such as "host:12,nvme"
+            (`zinfjax.store.split`): each run of layers in a store of its tier, the nvme one under ``path/name``.
         like: a tree of `jax.ShapeDtypeStruct` (or arrays) with leaves `(L, ...)`. A leaf's
             `.sharding`, a NamedSharding with None on axis 0, sets its layout; without one the leaf
             lives on the first local device.
@@ -59,6 +62,19 @@ def open_store(
         raise StoreUsageError(
             f"all leaves need the same number of layers, got {sorted({lay.num_layers for lay in layouts})}"
         )
+    try:
+        split = TierSplit.parse(tier)
+    except SplitError as e:
+        raise StoreUsageError(f"unknown tier {tier!r}; use one of {', '.join(TIERS)} or a split (host:12,nvme)") from e
+    if not split.whole:
+        length = layouts[0].num_layers if layouts else 0
+        args = dict(path=path, name=name, pool=pool, mesh_sharding=mesh_sharding, create=create, host_kind=host_kind)
+        pieces = [(a, open_store(t, _layers(like, a, b), **args, **nvme_options)) for t, a, b in split.ranges(length)]
+        return SplitStore(like, layouts, pieces, str(split))
+    return _open_tier(tier, like, layouts, path, name, pool, create, host_kind, nvme_options)
+
+
+def _open_tier(tier, like, layouts, path, name, pool, create, host_kind, nvme_options) -> LayerStore:
     if tier == "device":
         return DeviceStore(like, layouts)
     if tier == "host":
@@ -68,6 +84,12 @@ def open_store(
             raise StoreUsageError("the nvme tier needs a path; set nvme_path=/path/on/fast/disk")
         return NvmeStore(like, layouts, os.path.join(path, name), pool, create=create, **nvme_options)
     raise StoreUsageError(f"unknown tier {tier!r}; use one of {', '.join(TIERS)}")
+
+
+def _layers(like, start: int, stop: int):
+    """``like`` with its leaves' layers ``start:stop``: the abstract tree of one piece of a split store."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((stop - start, *x.shape[1:]), x.dtype,
+                                                       sharding=getattr(x, "sharding", None)), like)
 
 
 def staging_bytes(like, mesh_sharding=None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 from zinfjax.store.errors import ManifestMismatchError, StoreError
 from zinfjax.store.layout import LeafLayout, mesh_description, spec_description
@@ -107,3 +108,23 @@ def check(directory: str, found: dict, expected: dict) -> None:
                     f"store {directory}: leaf {name!r} has {key} {have[name].get(key)} on disk but "
                     f"{leaf[key]} was asked for; {fix}"
                 )
+
+
+def matches(directory: str, found: dict, expected: dict) -> bool:
+    """Whether ``found`` is the manifest ``expected`` (`check` raises nothing)."""
+    try:
+        check(directory, found, expected)
+    except ManifestMismatchError:
+        return False
+    return True
+
+
+def clear(directory: str, keep: str) -> None:
+    """Deletes what a store left in ``directory`` (its leaves and manifest), all but the file ``keep`` (its lock)."""
+    for entry in os.scandir(directory):
+        if entry.path == keep:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.remove(entry.path)

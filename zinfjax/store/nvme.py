@@ -116,6 +116,9 @@ class NvmeStore(LayerStore):
         in_place: leaves (by their key in ``like``) read where they already are: the zarr3 array
             directory of a checkpoint's leaf whose chunks are this store's (one layer each, the
             same dtype and codecs). They are read-only: a write to one is refused.
+        replace: a store found under ``directory`` with other shapes or layers (a run with another model, or
+            another split of its layers, `zinfjax.store.split`) is deleted and made afresh instead of refused:
+            for scratch state, which a run writes whole before it reads any.
         **context: options for `tensorstore_context`; ``file_io_sync`` applies to both.
     """
 
@@ -134,6 +137,7 @@ class NvmeStore(LayerStore):
         chunk_io: str = "direct",
         atomic: bool = True,
         in_place: dict[str, str] | None = None,
+        replace: bool = False,
         **context,
     ):
         super().__init__(like, layouts)
@@ -144,6 +148,7 @@ class NvmeStore(LayerStore):
         self.chunk_io = chunk_io
         self._sync = context.get("file_io_sync", True)
         self._atomic = atomic
+        self._replace = replace
         self.directory = os.path.abspath(directory)
         prepare_directory(self.directory)
         self._lock_file = StoreLock(self.directory)
@@ -162,6 +167,9 @@ class NvmeStore(LayerStore):
     def _open(self, create: bool, context: ts.Context) -> list[ts.TensorStore]:
         expected = manifest.build(os.path.basename(self.directory), self.layouts)
         found = manifest.read(self.directory)
+        if found is not None and self._replace and not manifest.matches(self.directory, found, expected):
+            manifest.clear(self.directory, keep=self._lock_file.path)
+            found = None
         if found is not None:
             manifest.check(self.directory, found, expected)
         elif not create:

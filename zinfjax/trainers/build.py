@@ -47,4 +47,38 @@ def build_trainer(config: Config):
     if engine and config.tiles == "auto" and not config.lora_rank:
         model_config = choose_tiles(model_config, config, mesh)
     model = models.build(model_config, COMPUTE_DTYPES[config.precision])
+    if not engine:
+        check_in_memory(config, model)
     return model, (EngineTrainer if engine else ReferenceTrainer)(config, model, mesh)
+
+
+def check_in_memory(config: Config, model) -> None:
+    """Refuses a plain in-memory run whose state (parameters, optimizer state, gradients) and the compiler's reserve
+    exceed the memory budget (``memory_limit``, else the cgroup or what is available), before anything is built:
+    with what is short and the keys that fix it. The engine's runs hold their own budget (`zinfjax.engine.budget`)."""
+    import jax
+    import numpy as np
+
+    from zinfjax._util.byte_sizes import format_bytes
+    from zinfjax.engine.budget import COMPILE_RESERVE, MemoryBudgetError, default_limit
+    from zinfjax.models.stacked import lm_init
+    from zinfjax.runtime import rss
+    from zinfjax.trainers.optimizers import make_optimizer
+
+    def nbytes(tree) -> int:
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+    params = jax.eval_shape(lm_init(model), jax.random.key(0))
+    state = jax.eval_shape(make_optimizer(config).init, params)
+    held = {"parameters": nbytes(params), "optimizer state": nbytes(state)}
+    held["gradients"] = held["parameters"]
+    limit, source = (int(config.memory_limit), "memory_limit") if config.memory_limit else default_limit()
+    baseline = rss.current_bytes()
+    need = baseline + sum(held.values()) + COMPILE_RESERVE
+    if need > limit:
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in held.items())
+        raise MemoryBudgetError(
+            f"{config.model} trained in memory needs {format_bytes(need)} ({parts}, {format_bytes(baseline)} this "
+            f"process holds and the compiler's {format_bytes(COMPILE_RESERVE)}), {format_bytes(need - limit)} more "
+            f"than the budget of {format_bytes(limit)} ({source}); set nvme_path=/path/on/fast/disk (the plan then "
+            "puts what does not fit on NVMe), or choose tiers (optimizer=nvme), or raise memory_limit")

@@ -64,6 +64,9 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
         print(f"zinfjax: warning: warmup_steps={config.warmup_steps} is longer than the run (steps={config.steps}): "
               "the learning rate never reaches lr", file=sys.stderr)
     log["tiles"] = model.config.tiles  # the tiles each block's MLP and attention ran in (tiles=auto decides)
+    if plan is not None:  # tiers=auto: the placement the plan chose, and the step it predicted
+        log["placement"] = {"tiers": plan["recommended"]["tiers"], "predicted_step_s": plan["recommended"]["step_s"],
+                            "other_cpu_cores": plan["rates"].get("other_cpu_cores")}
     if trainer.engine is not None:
         log.update(engine_facts(trainer.engine))
     saver = Saver(config, model.config, trainer, start.run_id, first - 1) if config.save_dir else None
@@ -93,7 +96,7 @@ def _prepare(config: Config, main: bool, progress: bool = False):
     (for the log), each checked before anything is built."""
     config = config.with_batch_for(make_mesh(config.mesh_axes()).shape["data"])  # DeepSpeed's micro-batch
     plan = None
-    if config.tiers == "auto":
+    if config.tiers_auto:
         config, plan = auto_tiers(config, main)
     if config.log and main:
         check_writable_file(config.log, "log")
@@ -201,14 +204,17 @@ def _steps(config: Config, trainer, batches: Batches, log: dict, saver, first: i
 def auto_tiers(config: Config, main: bool = True) -> tuple[Config, dict]:
     """``tiers=auto``: the tier keys from `zinfjax.planning.recommend` (probes unless ``ZINFJAX_PLAN_PROBE=0``), and
     the plan they come from."""
-    from zinfjax.planning.recommend import resolve_auto
+    from zinfjax.planning.recommend import busy_note, resolve_auto
 
     probe = os.environ.get("ZINFJAX_PLAN_PROBE", "1") != "0"
-    config, plan = resolve_auto(config, probe=probe)
+    config, plan = resolve_auto(config, probe=probe, isolated=True)
     if main:
         chosen = " ".join(f"{k}={getattr(config, k)}" for k in TIER_KEYS)
         print(f"zinfjax: tiers=auto: {chosen} (predicted {plan['recommended']['step_s']:.3f} s/step; "
               "zinfjax plan shows the alternatives)", file=sys.stderr)
+        busy = busy_note(plan["rates"])
+        if busy:
+            print(f"zinfjax: warning: {busy}", file=sys.stderr)
     return config, plan
 
 
