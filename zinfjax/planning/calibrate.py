@@ -36,8 +36,18 @@ def calibration_model(model_config, layers: int = CALIBRATION_LAYERS):
 
 
 def calibration_layers(model_config, state_bytes: int, host_bytes: int) -> int:
-    """All the layers when the state takes at most a quarter of the host budget; else `CALIBRATION_LAYERS`."""
-    return model_config.n_layers if 4 * state_bytes <= host_bytes else CALIBRATION_LAYERS
+    """All the layers when the state takes at most a quarter of the host budget; else `CALIBRATION_LAYERS`, or as
+    many as a quarter of the budget holds the state of when that is fewer (at least one).
+
+    Example:
+        >>> from zinfjax.models import ModelConfig
+        >>> calibration_layers(ModelConfig.resolve("gpt2-large"), 12 << 30, 3 << 30)
+        2
+    """
+    if 4 * state_bytes <= host_bytes:
+        return model_config.n_layers
+    per_layer = state_bytes / model_config.n_layers
+    return int(max(1, min(CALIBRATION_LAYERS, host_bytes // (4 * per_layer))))
 
 
 def _batch(config: Config, vocab: int):

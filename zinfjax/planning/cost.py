@@ -35,8 +35,9 @@ def uses_reference(config: Config, tiers: dict[str, str]) -> bool:
 def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dict, cut: dict | None = None,
         read_ahead: bool = False) -> dict:
     """What ``tiers`` needs of host memory, device memory and disk, and what is short of each
-    (``cut``: the groups the engine updates in parts; ``read_ahead``: room for the engine to read ahead, beyond
-    its least budget, `zinfjax.engine.budget.make_budget`)."""
+    (``cut``: the groups the engine updates in parts; ``read_ahead``: room for the engine's roomy budget rather than
+    its least, `zinfjax.engine.budget.make_budget`: the step's saved residuals (no forward recomputed in the
+    backward), whole layers updated (no parts), a second slice staged and one more operation read ahead)."""
     cpu = machine["platform"] == "cpu"
     held = {"device": 0, "host": 0, "nvme": 0}
     device_held = 0
@@ -48,8 +49,8 @@ def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dic
         if spec.tier == "device":  # a split holds host and nvme layers alone
             device_held += device_bytes(like)
         specs.append(spec)
-    read, write_slice, _ = budget_needs([s for s in specs if s.kind != "acts"], [s for s in specs if s.kind == "acts"],
-                                        machine["platform"], cut)
+    state, acts = [s for s in specs if s.kind != "acts"], [s for s in specs if s.kind == "acts"]
+    read, write_slice, _ = budget_needs(state, acts, machine["platform"], cut)
     transient = parts["activation_transient"]
     if uses_reference(config, tiers):  # the whole state, the gradients and the activations at once
         resident = held["device"] + parts["gradients"] + parts["activations"]
@@ -57,7 +58,10 @@ def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dic
     else:  # the engine's budget (zinfjax.engine.budget.make_budget), and one layer's transient
         resident = held["host"] + (held["device"] if cpu else 0)
         host_need = minimum_bytes(machine["baseline_bytes"], resident, read, write_slice) + transient
-        host_need += read_ahead * (2 * write_slice + LIVE_PER_DEPTH * read)  # a second slice, one more read ahead
+        if read_ahead:  # the roomy budget: residuals kept, whole layers updated, a second slice, one more read ahead
+            whole, write_slice, _ = budget_needs(state, acts, machine["platform"])
+            host_need = minimum_bytes(machine["baseline_bytes"], resident + parts.get("residuals", 0), whole,
+                                      write_slice) + transient + 2 * write_slice + LIVE_PER_DEPTH * whole
     need = {"host": host_need, "nvme": held["nvme"]}
     have = {"host": machine["host_bytes"], "nvme": machine["nvme_free_bytes"] or 0}
     if not cpu:
@@ -87,13 +91,23 @@ def traffic(stores, tiers: dict[str, str], factors: dict | None) -> dict[str, fl
     return out
 
 
-def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rates: dict, platform: str) -> dict:
+# What a lean budget (no room for the roomy one, `fit`'s ``read_ahead``) costs compute: its backward recomputes
+# each layer's forward (a third more), it updates layers in parts and reads one operation ahead. Measured on
+# gpt2-large fp32 at memory_limit=5GiB (docs/BENCHMARKS.md, "Memory first"): the lean placement's step less its
+# NVMe time was 1.55x compute alone, the roomy placement's 0.96x.
+LEAN_FACTOR = 1.5
+
+
+def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rates: dict, platform: str,
+            lean: bool = False) -> dict:
     """The cost model: the step's compute, host copies and NVMe I/O, and the step they make.
 
     ``nvme_io_s`` is what the NVMe tier adds to the step: on the CPU backend at the rate the engine
-    shows (`added_rate`), never less than the disk's own time; elsewhere the disk's time.
+    shows (`added_rate`), never less than the disk's own time; elsewhere the disk's time. ``lean``: the engine's
+    budget has no room beyond its least, and its compute costs `LEAN_FACTOR` times more.
     """
-    compute = rates["reference_s"] if uses_reference(config, tiers) else rates["engine_s"]
+    alone = rates["reference_s"] if uses_reference(config, tiers) else rates["engine_s"]
+    compute = alone * (LEAN_FACTOR if lean else 1.0)
     copy_bw = rates["host_copy_GBps"]  # None: the host tier is device memory and copies nothing
     host = (moved["read_host"] + moved["write_host"]) / (copy_bw * 1e9) if copy_bw else 0.0
     reading = moved["read_nvme"] / (rates["disk_read_GBps"] * 1e9)
@@ -104,4 +118,4 @@ def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rate
     else:
         nvme = reading + writing
         step = max(compute, host, nvme)
-    return {"compute_s": compute, "host_copy_s": host, "nvme_io_s": nvme, "step_s": step}
+    return {"compute_alone_s": alone, "compute_s": compute, "host_copy_s": host, "nvme_io_s": nvme, "step_s": step}

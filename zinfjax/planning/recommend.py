@@ -25,6 +25,7 @@ import numpy as np
 from zinfjax._util.byte_sizes import format_bytes
 from zinfjax._util.choices import TIER_KEYS
 from zinfjax.config import Config
+from zinfjax.engine.budget import MemoryBudgetError
 from zinfjax.errors import UserError
 from zinfjax.planning.calibrate import (
     added_rate,
@@ -80,8 +81,8 @@ def make_plan(config: Config, probe: bool = True, baseline: int | None = None) -
     _check_batch(config, model_config)
     model_config = plan_tiles(config, model_config)
     machine = budgets(config, baseline)
-    stores, cut = _specs(config, model_config)
-    parts = state_parts(config, model_config, stores)
+    stores, cut, residuals = _specs(config, model_config)
+    parts = {**state_parts(config, model_config, stores), "residuals": residuals}
     candidates = placements(nvme=bool(config.nvme_path))
     for ahead in (True, False) if config.nvme_path else ():  # memory first, with room to read ahead and without
         filled = fill_memory(config, parts, stores, machine, cut, ahead=ahead)
@@ -103,15 +104,13 @@ def make_plan(config: Config, probe: bool = True, baseline: int | None = None) -
                            any(f["fits"] and uses_reference(config, t) for t, f in fits))
     else:
         notes.append("no probes: nominal disk, host-copy and compute figures")
-    if "disk_note" in rates:
-        notes.append(rates.pop("disk_note"))
+    for note in ("disk_note", "calibration_note"):
+        if note in rates:
+            notes.append(rates.pop(note))
     if busy_note(rates):
         notes.append(busy_note(rates))
-    rows = []
-    for tiers, f in fits:
-        moved = traffic(stores, tiers, factors)
-        rows.append({"tiers": tiers, "fits": f["fits"], "need": f["need"], "short": f["short"], "bytes_per_step": moved,
-                     **predict(config, tiers, moved, rates, machine["platform"])})
+    rows = [_row(config, tiers, f, traffic(stores, tiers, factors), rates, machine,
+                 fit(config, parts, stores, tiers, machine, cut, read_ahead=True)["fits"]) for tiers, f in fits]
     rows.sort(key=lambda r: (not r["fits"], round(r["step_s"], 4), offloaded(r["tiers"])))
     best = recommend(rows)
     if machine["platform"] == "cpu":
@@ -125,6 +124,14 @@ def make_plan(config: Config, probe: bool = True, baseline: int | None = None) -
             "placements": rows}
 
 
+def _row(config: Config, tiers: dict, f: dict, moved: dict, rates: dict, machine: dict, roomy: bool) -> dict:
+    """One placement's row: its fit, bytes per step and predicted step; on the engine's path, a budget that is not
+    roomy costs more compute (`zinfjax.planning.cost.predict`)."""
+    lean = machine["platform"] == "cpu" and not roomy and not uses_reference(config, tiers)
+    return {"tiers": tiers, "fits": f["fits"], "need": f["need"], "short": f["short"], "bytes_per_step": moved,
+            "roomy": roomy, **predict(config, tiers, moved, rates, machine["platform"], lean)}
+
+
 def plan_tiles(config: Config, model_config):
     """The model the placements are planned for, tiles first: the count ``tiles`` gives, or for ``tiles=auto`` the
     fewest whose largest operation fits the budget with the state where it takes least memory (every part on NVMe,
@@ -133,7 +140,6 @@ def plan_tiles(config: Config, model_config):
         return model_config.replace(tiles=int(config.tiles))
     if config.lora_rank:  # adapters run in untiled blocks (models/lora.py)
         return model_config
-    from zinfjax.engine.budget import MemoryBudgetError
     from zinfjax.sharding import make_mesh
     from zinfjax.trainers.streaming import choose_tiles
 
@@ -158,8 +164,15 @@ def _measure(config: Config, model_config, stores, parts: dict, machine: dict, r
         rates.update(probe_disk(config.nvme_path))
     state = parts["params"] + parts["master"] + parts["optimizer"] + parts["gradients"]
     layers = calibration_layers(model_config, state, machine["host_bytes"])
-    with OtherLoad() as load:
-        factors = _calibrate(config, model_config, layers, rates, copies, reference, machine)
+    saved = dict(rates)
+    try:
+        with OtherLoad() as load:
+            factors = _calibrate(config, model_config, layers, rates, copies, reference, machine)
+    except MemoryBudgetError as e:  # a budget too small for the timed runs still gets a plan: nominal compute
+        rates.clear()
+        rates.update(saved, calibration_note=f"the timing runs did not fit this budget ({e}); compute and the "
+                     "NVMe tier's rate in a step are nominal")
+        return None
     rates["other_cpu_cores"] = load.cores
     return factors
 

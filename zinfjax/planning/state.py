@@ -18,13 +18,14 @@ from zinfjax.runtime import rss
 KIND_TIER = {"params": "params", "master": "optimizer", "opt": "optimizer", "grads": "gradients", "acts": "activations"}
 
 
-def _specs(config: Config, model_config) -> tuple[list, dict]:
+def _specs(config: Config, model_config) -> tuple[list, dict, int]:
     """The engine's stores for ``config`` on ``model_config`` as ``(kind, group, like)`` (nothing allocated),
-    and the groups it updates in parts (`zinfjax.engine.parts`)."""
+    the groups it updates in parts (`zinfjax.engine.parts`), and the bytes of one step's saved residuals."""
     from zinfjax import models
     from zinfjax.engine import compiled
     from zinfjax.engine.parts import update_parts
     from zinfjax.engine.stores import spools_gradients, store_specs
+    from zinfjax.program.residuals import residual_bytes
     from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules, make_mesh
     from zinfjax.trainers.optimizers import make_optimizer
     from zinfjax.trainers.streaming import lm_program
@@ -39,7 +40,8 @@ def _specs(config: Config, model_config) -> tuple[list, dict]:
     plan = layout.plan
     specs, acts = store_specs(config, program, plan, layout.placement, compute)
     cut = update_parts(program, plan, specs, spools_gradients(config, plan))
-    return [(s.kind, s.group, s.like) for s in specs] + [("acts", s.group, s.like) for s in acts.values()], cut
+    stores = [(s.kind, s.group, s.like) for s in specs] + [("acts", s.group, s.like) for s in acts.values()]
+    return stores, cut, residual_bytes(program, config.grad_accum)
 
 
 def tree_bytes(like) -> int:

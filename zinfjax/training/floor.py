@@ -42,11 +42,13 @@ def probe(nvme_path: str, nbytes: int = PROBE_BYTES) -> dict:
 
 
 def plan_compute(plan: dict | None) -> float | None:
-    """The plan's calibrated compute for the placement it chose, when it timed one (``tiers=auto`` with probes)."""
+    """The plan's calibrated compute for the placement it chose, when it timed one (``tiers=auto`` with probes): the
+    step's compute alone, without the forward a lean budget recomputes in the backward (the in-memory step's)."""
     if not plan or not plan.get("probed"):
         return None  # nominal figures: not a measurement
     chosen = plan["recommended"]["tiers"]
-    return next((row["compute_s"] for row in plan["placements"] if row["tiers"] == chosen), None)
+    row = next((row for row in plan["placements"] if row["tiers"] == chosen), None)
+    return None if row is None else row.get("compute_alone_s", row["compute_s"])
 
 
 class Floor:
