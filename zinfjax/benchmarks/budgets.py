@@ -68,7 +68,8 @@ def point(model: str, budget: str, args, tiers: list[str] | None = None) -> dict
             "compute_alone_s": compute, "io_floor_s": io_floor, "floor_s": floor,
             "step_over_floor": step / floor if floor else None,
             "nvme_GB_per_step": moved / 1e9, "io_cpu_s_per_GB": io_cpu / (moved / 1e9) if moved else None,
-            "prefetch_depth": log["budget"]["prefetch_depth"], "lean": log["budget"]["lean"],
+            "prefetch_depth": (log.get("budget") or {}).get("prefetch_depth"),  # the in-memory loop has no budget
+            "lean": (log.get("budget") or {}).get("lean"), "trainer": "engine" if log.get("budget") else "in-memory",
             "peak_rss_GB": run["peak_rss_GB"], "init_s": run["init_s"], "losses": run["losses"]}
 
 

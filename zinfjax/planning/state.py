@@ -9,9 +9,10 @@ import shutil
 import jax
 import numpy as np
 
+from zinfjax._util.byte_sizes import format_bytes
 from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.config import Config
-from zinfjax.engine.budget import default_limit
+from zinfjax.engine.budget import MARGIN_FRACTION, MARGIN_MIN, default_limit
 from zinfjax.runtime import rss
 
 # Which tier key holds each kind of store.
@@ -114,8 +115,9 @@ def nvme_free(nvme_path: str | None) -> int | None:
 def budgets(config: Config, baseline: int | None = None) -> dict:
     """The host budget (and its source), the device memory (None on the CPU backend: it is host memory), NVMe, and
     what the process holds already (``baseline``: this process's resident memory unless given)."""
-    if config.memory_limit:
-        host, source = int(config.memory_limit), "memory_limit"
+    if config.memory_limit:  # less the margin the default budget keeps: what the engine counts is not all it holds
+        margin = max(MARGIN_MIN, int(MARGIN_FRACTION * config.memory_limit))
+        host, source = int(config.memory_limit) - margin, f"memory_limit less a {format_bytes(margin)} margin"
     else:
         host, source = default_limit()
     device = jax.devices()[0]

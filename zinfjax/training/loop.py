@@ -180,7 +180,8 @@ def _steps(config: Config, trainer, batches: Batches, log: dict, saver, first: i
         start = time.perf_counter()
         metrics = trainer.step(trainer.next_batch(batches))
         seconds = time.perf_counter() - start
-        record = {"step": step, **metrics, "tokens_per_s": config.batch_size * config.seq_len / seconds,
+        record = {"step": step, "step_s": seconds, **metrics,  # the engine's own step_s waits for its last write
+                  "tokens_per_s": config.batch_size * config.seq_len / seconds,
                   "lr": float(schedule(step - 1)) if callable(schedule) else schedule,
                   "peak_rss_bytes": rss.peak_bytes(), **device_memory()}
         if floor is not None:
