@@ -36,7 +36,8 @@ def main(argv=None) -> int:
         rows = points(path)
         x = [parse_size(r["memory_limit"]) / 2**30 for r in rows]
         ax.plot(x, [r["step_s"] for r in rows], "o-", label="step (measured)")
-        ax.plot(x, [r["floor_s"] for r in rows], "s--", label="floor: max(compute alone, NVMe bytes at disk rates)")
+        floors = [r["floor_s"] or r["step_s"] for r in rows]  # the in-memory loop, with no NVMe bytes, is its own floor
+        ax.plot(x, floors, "s--", label="floor: max(compute alone, NVMe bytes at disk rates)")
         ax.plot(x, [r["predicted_step_s"] for r in rows], "^:", label="step (the plan's prediction)")
         ax.set_title(f"{rows[0]['model']}" if rows else path)
         ax.set_xlabel("memory_limit (GiB)")

@@ -66,8 +66,8 @@ def test_parts_equal_zero_formulas_and_engine_stores(precision, tmp_path):
 
 def test_too_big_for_memory_limit_is_one_line_naming_the_shortfall(capsys):
     c = _config("model=gpt2-small", "memory_limit=300MiB", "seq_len=64")
-    with pytest.raises(PlanError, match=r"gpt2-small fits no placement; .*host memory \(memory_limit\) is short by "
-                       r"[0-9.]+ [MG]iB \(needs .*, has 300.0 MiB\); set nvme_path"):
+    with pytest.raises(PlanError, match=r"gpt2-small fits no placement; .*host memory \(memory_limit less a 64.0 MiB "
+                       r"margin\) is short by [0-9.]+ [MG]iB \(needs .*, has 236.0 MiB\); set nvme_path"):
         make_plan(c, probe=False)
     assert main(["plan", "--no-probe", *[a for s in BASE for a in ("--set", s)], "--set", "model=gpt2-small",
                  "--set", "memory_limit=300MiB"]) == 2
