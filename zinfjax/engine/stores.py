@@ -348,6 +348,7 @@ def store_specs(config: Config, program: Program, plan: UpdatePlan, placement: P
     return specs, acts
 
 
+# Which tier key places each kind of store.
 KIND_KEY = {"params": "params", "master": "optimizer", "opt": "optimizer", "grads": "gradients", "acts": "activations"}
 
 

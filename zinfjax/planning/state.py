@@ -13,10 +13,10 @@ from zinfjax._util.byte_sizes import format_bytes
 from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.config import Config
 from zinfjax.engine.budget import MARGIN_FRACTION, MARGIN_MIN, default_limit
+from zinfjax.engine.stores import KIND_KEY
 from zinfjax.runtime import rss
 
-# Which tier key holds each kind of store.
-KIND_TIER = {"params": "params", "master": "optimizer", "opt": "optimizer", "grads": "gradients", "acts": "activations"}
+KIND_TIER = KIND_KEY  # which tier key holds each kind of store
 
 
 def _specs(config: Config, model_config) -> tuple[list, dict, int]:
