@@ -90,11 +90,6 @@ class TierSplit:
         return ",".join(t if n is None else f"{t}:{n}" for t, n in self.terms)
 
 
-def split_of(value: str) -> TierSplit:
-    """The `TierSplit` of a tier key's value (already validated by the config)."""
-    return TierSplit.parse(value)
-
-
 def tiers_in(value: str) -> tuple[str, ...]:
     """The tiers a tier key's value names: ``("nvme",)``, ``("host", "nvme")``.
 

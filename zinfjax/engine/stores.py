@@ -29,6 +29,7 @@ from zinfjax.errors import ConfigError
 from zinfjax.program.optimizer import UpdatePlan
 from zinfjax.program.split import Program
 from zinfjax.store import BufferPool, LayerStore, open_store, staging_bytes
+from zinfjax.store.base import close_all
 from zinfjax.store.disk import check_free_space, prepare_directory
 from zinfjax.store.errors import BufferBudgetError
 from zinfjax.store.pool import staging_pool
@@ -118,14 +119,7 @@ class EngineStores:
             store.flush()
 
     def close(self) -> None:
-        errors = []
-        for store in self.all():
-            try:
-                store.close()
-            except Exception as e:  # noqa: BLE001 - close every store, then report the first failure
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        close_all(self.all())
 
 
 def stacked(length: int, slice_shape, dtype, sharding) -> jax.ShapeDtypeStruct:

@@ -312,6 +312,18 @@ def _stack_bits(xs: list) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
+def close_all(stores) -> None:
+    """Closes every store of ``stores``, then raises the first failure any of them hit."""
+    errors = []
+    for store in stores:
+        try:
+            store.close()
+        except Exception as e:  # noqa: BLE001 - close every store, then report the first failure
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
 def wait_after(i: int, after: list[Future]) -> None:
     """Blocks until the previous writes of layer `i` are done; re-raises a failure as a StoreError.
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 from concurrent.futures import Future
 
-from zinfjax.store.base import LayerStore, StoreStats
+from zinfjax.store.base import LayerStore, StoreStats, close_all
 from zinfjax.store.layout import LeafLayout
 
 
@@ -82,14 +82,7 @@ class SplitStore(LayerStore):
         if self._closed:
             return
         self._closed = True
-        errors = []
-        for _, store in self.pieces:
-            try:
-                store.close()
-            except Exception as e:  # noqa: BLE001 - close every piece, then report the first failure
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        close_all(store for _, store in self.pieces)
 
 
 def pieces_of(store) -> list[tuple[int, LayerStore]]:
