@@ -17,7 +17,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports  # the layering of docs/design.md, as contracts in pyproject.toml
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15 -m "not wide"  # two workers: one per core
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15 -m "not wide and not soak"  # two workers: one per core; soak: make test-all
 	$(MAKE) --no-print-directory test-portable
 
 # The bf16/fp16 tolerances again, under a second kernel path: XLA's code capped at SSE4.2 sums in another order

@@ -188,7 +188,7 @@ def add_bench(sub) -> None:
                        "generate, versus-ds)",
                        description="Benchmarks. Each prints one JSON object; see docs/BENCHMARKS.md.")
     p.add_argument("name", choices=["io", "step", "capacity", "memory", "budgets", "lora", "generate",
-                                    "versus-deepspeed"],
+                                    "versus-deepspeed", "soak", "integrity"],
                    help="io: the nvme tier against raw O_DIRECT disk throughput; step: reference vs engine on "
                    "device, host and nvme tiers against the I/O floor; capacity: a state far larger than memory; "
                    "memory: gpt2-small, gpt2-large and llama-1b through zinfjax train in memory cgroups; "
@@ -196,7 +196,9 @@ def add_bench(sub) -> None:
                    "against its floor; "
                    "lora: llama-7b's rank-16 adapters in a 3 GiB cgroup against the step's floor; "
                    "generate: tokens/s with parameters in memory, on host and on nvme at batch sizes 1, 8, 64; "
-                   "versus-deepspeed: GPT-2 small under DeepSpeed ZeRO-3 and zinfjax train, NVMe, CPU and memory")
+                   "versus-deepspeed: GPT-2 small under DeepSpeed ZeRO-3 and zinfjax train, NVMe, CPU and memory; "
+                   "soak: gpt2-mini for 2,000 steps on NVMe, its RSS, descriptors, threads, disk and step time; "
+                   "integrity: the step with and without the crc32c check of every chunk read back (verify_chunks)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (see `zinfjax bench io -h`)")
     p.set_defaults(func=_bench)
 
@@ -447,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         code = _reader_left()
     except Exception as err:  # a bug, not the user's mistake: a short report, the traceback in a file
+        _stop_if_peer_lost()  # unless a peer of a multi-process run died: one line naming it, and exit
         print(f"zinfjax: internal error: {type(err).__name__}: {_first_line(err)}\n"
               f"zinfjax: this is a bug in zinfjax; the full traceback is in {_write_traceback(err)}", file=sys.stderr)
         code = 1
@@ -476,6 +479,12 @@ def _reader_left() -> int:
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
     return 128 + signal.SIGPIPE
+
+
+def _stop_if_peer_lost() -> None:
+    peers = sys.modules.get("zinfjax.runtime.peers")  # loaded by a multi-process run only
+    if peers is not None:
+        peers.stop_if_peer_lost()
 
 
 def _exit_now_if_distributed(code: int) -> None:

@@ -51,6 +51,7 @@ class Config:
     tiers: str = "default"  # "auto": the tier keys from `zinfjax plan`; default: auto with nvme_path and no tier key
     kv_cache: str = "device"
     nvme_path: str | None = None
+    verify_chunks: bool = True  # check each NVMe chunk's crc32c as it is read back (docs/store.md, "Integrity")
     prefetch_depth: int | None = None  # None: from memory_limit (engine/budget.py)
     host_buffer_bytes: int | None = None  # None: from memory_limit
     memory_limit: int | None = None  # None: the cgroup's limit or the available memory, less a margin
@@ -383,6 +384,9 @@ KEY_DOCS = {
              "a part does not fit (nvme considered only with nvme_path); default: auto when nvme_path is set and no "
              "tier key is, else manual",
     "nvme_path": "directory on a fast local disk for the nvme tier",
+    "verify_chunks": "check the crc32c of every NVMe chunk the run reads back, so that a bit flipped on the disk or "
+                     "in memory stops the run naming the chunk (default true); false skips the check on reads (every "
+                     "chunk is still written with its checksum, and checkpoints are always verified)",
     "prefetch_depth": "layers read ahead of compute (0 reads on demand); default: what memory_limit allows (1-4)",
     "host_buffer_bytes": "bound on host staging buffers for NVMe I/O, e.g. 512MiB; default: from memory_limit",
     "memory_limit": "host memory the process may use, e.g. 2GiB; the engine derives its buffers and read-ahead "

@@ -135,7 +135,7 @@ class CheckpointManager:
             raise self._save_error(step, e) from e
 
     def _save_error(self, step: int, e: OSError) -> CheckpointSaveError:
-        previous = self.steps()
+        previous = [s for s in self.steps() if s != step]  # not the failed step, whatever is left of it
         kept = (f"the previous checkpoint (step {previous[-1]}) is intact" if previous
                 else "no earlier checkpoint exists")
         if is_disk_full(e):
@@ -256,7 +256,11 @@ def _commit(tmp: str, final: str) -> None:
     if os.path.exists(final):  # the same step saved again (a resumed run): the new one replaces it
         replaced = _set_aside(final)
     os.rename(tmp, final)
-    fsync_dir(os.path.dirname(final))
+    try:
+        fsync_dir(os.path.dirname(final))
+    except OSError:  # the disk failed the sync that makes the rename durable: not a checkpoint to list
+        shutil.rmtree(final, ignore_errors=True)
+        raise
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
 

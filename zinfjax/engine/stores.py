@@ -279,7 +279,7 @@ def build_stores(config: Config, specs: list[StoreSpec], acts: dict[int, StoreSp
     opened: dict[str, dict[str, LayerStore]] = {}
 
     def open_one(spec: StoreSpec) -> LayerStore:
-        options = dict(SCRATCH_NVME)  # the memory tiers take none
+        options = dict(SCRATCH_NVME, verify=config.verify_chunks)  # the memory tiers take none
         if spec.kind == "params" and spec.group in in_place:
             options["in_place"] = in_place[spec.group]
         return open_store(spec.tier, spec.like, path=config.nvme_path, name=spec.name, pool=pool,

@@ -7,7 +7,12 @@
 - ``ZINFJAX_PROCESS_ID``: this process's rank, ``0 .. N-1``;
 - ``ZINFJAX_LOCAL_DEVICES`` (optional): how many CPU devices this process simulates;
 - ``ZINFJAX_CONNECT_TIMEOUT`` (optional): seconds to wait for every peer to connect, and at exit
-  for every peer to finish (default 60).
+  for every peer to finish (default 60);
+- ``ZINFJAX_PEER_TIMEOUT`` (optional): seconds without a heartbeat after which a peer counts as
+  dead or hung, and every other process stops with one line naming it (default 60;
+  `zinfjax.runtime.peers`).
+
+Any launcher may set them (SLURM, a Kubernetes job; docs/sharding.md, "Other launchers").
 
 Example:
     >>> initialize_from_env()       # before any JAX computation; False when the variables are unset
@@ -27,12 +32,14 @@ from collections.abc import Mapping
 import jax
 
 from zinfjax.errors import UserError
+from zinfjax.runtime import peers
 
 COORDINATOR = "ZINFJAX_COORDINATOR"
 NUM_PROCESSES = "ZINFJAX_NUM_PROCESSES"
 PROCESS_ID = "ZINFJAX_PROCESS_ID"
 LOCAL_DEVICES = "ZINFJAX_LOCAL_DEVICES"
 CONNECT_TIMEOUT = "ZINFJAX_CONNECT_TIMEOUT"
+PEER_TIMEOUT = peers.PEER_TIMEOUT
 FAILURES = "ZINFJAX_FAILURES"  # set by `zinfjax launch`: where a failing process records when it failed
 DEFAULT_CONNECT_TIMEOUT = 60
 XLA_CONNECT_MARGIN_S = 30  # XLA's own deadline, later than ours so that ours reports
@@ -66,12 +73,16 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
         raise DistributedError(f"{PROCESS_ID}={rank} must be below {NUM_PROCESSES}={count}, and "
                                f"{COORDINATOR}={address!r} must be host:port; start processes with `zinfjax launch`")
     timeout = _int(env, CONNECT_TIMEOUT, 1) if CONNECT_TIMEOUT in env else DEFAULT_CONNECT_TIMEOUT
+    peer_timeout = _int(env, PEER_TIMEOUT, 1) if PEER_TIMEOUT in env else peers.DEFAULT_PEER_TIMEOUT
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # JAX's preemption service would catch SIGTERM and keep running; the launcher's SIGTERM means stop.
     jax.config.update("jax_enable_preemption_service", False)
     if LOCAL_DEVICES in env:
         jax.config.update("jax_num_cpu_devices", _int(env, LOCAL_DEVICES, 1))
-    _connect(address, count, rank, timeout)
+    _connect(address, count, rank, timeout, peer_timeout)
+    from jax._src import distributed  # JAX's private module: its client reaches the key-value store
+
+    peers.watch(distributed.global_state.client, rank, count, peer_timeout, exit_now)
     _fail_fast_on_uncaught_errors()
     return True
 
@@ -96,7 +107,7 @@ def with_torchrun_names(env: Mapping[str, str]) -> Mapping[str, str]:
             COORDINATOR: f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"}
 
 
-def _connect(address: str, count: int, rank: int, timeout: int) -> None:
+def _connect(address: str, count: int, rank: int, timeout: int, peer_timeout: int) -> None:
     """`jax.distributed.initialize`, with a clear one-line error if the peers do not all join in time.
 
     XLA aborts the process when its own connect deadline passes, with a C++ stack trace; a
@@ -115,8 +126,10 @@ def _connect(address: str, count: int, rank: int, timeout: int) -> None:
     try:
         # The shutdown barrier at exit waits for the peers too; a peer that never arrives (it called
         # sys.exit while the others compute) then ends the run after `timeout` instead of hanging it.
+        # XLA's heartbeat check aborts with a stack trace; it is set well after our watchdog's (peers.py).
         jax.distributed.initialize(address, count, rank, initialization_timeout=timeout + XLA_CONNECT_MARGIN_S,
-                                   shutdown_timeout_seconds=timeout)
+                                   shutdown_timeout_seconds=timeout,
+                                   heartbeat_timeout_seconds=peers.xla_heartbeat_timeout(peer_timeout))
     except Exception as e:  # noqa: BLE001 - XLA raises several types; all mean the same to the user
         raise DistributedError(f"process {rank} of {count} could not join the run at {address}: "
                                f"{type(e).__name__}: {_first_line(e)}") from e
@@ -133,6 +146,8 @@ def _fail_fast_on_uncaught_errors() -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb):
+        if isinstance(value, Exception):
+            peers.stop_if_peer_lost()  # a collective that failed because a peer died: one line naming it
         record_failure()
         previous(kind, value, tb)
         exit_now(1)

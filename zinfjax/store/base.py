@@ -19,7 +19,7 @@ from concurrent.futures import Future
 import jax
 import numpy as np
 
-from zinfjax.store.errors import StoreError
+from zinfjax.store.errors import StoreError, StoreIOError, StoreSpaceError
 from zinfjax.store.layout import LeafLayout, stacked_sharding
 
 
@@ -331,5 +331,7 @@ def wait_after(i: int, after: list[Future]) -> None:
     """
     for fut in after:
         error = fut.exception()
+        if isinstance(error, (StoreIOError, StoreSpaceError)):  # the disk's own failure, one line already: as it is
+            raise type(error)(str(error)) from error
         if error is not None:
             raise StoreError(f"layer {i}: its last write failed, so it cannot be read: {error}") from error

@@ -56,7 +56,7 @@ class ChunkWriteError(OSError):
     """An OSError while writing chunk number `chunk` of a `write_chunks` call (errno kept)."""
 
     def __init__(self, chunk: int, cause: OSError):
-        super().__init__(cause.errno, cause.strerror or str(cause))
+        super().__init__(cause.errno, cause.strerror or str(cause), getattr(cause, "filename", None))
         self.chunk = chunk
 
 
@@ -88,8 +88,11 @@ def read_chunk(path: str, slot: np.ndarray, nbytes: int) -> np.ndarray:
     return read_chunks([(path, slot, nbytes)])[0]
 
 
-def read_chunks(chunks: list[tuple[str, np.ndarray, int]]) -> list[np.ndarray]:
+def read_chunks(chunks: list[tuple[str, np.ndarray, int]], verify: bool = True) -> list[np.ndarray]:
     """Reads every ``(path, slot, nbytes)`` at once (see `read_chunk`); returns their data views.
+
+    ``verify=False`` skips the checksum (the file's size is still checked): for a caller that
+    has chosen to trust the disk (`zinfjax.config.Config.verify_chunks`).
 
     Raises:
         FileNotFoundError, ChunkCorruptError, OSError: as `read_chunk`, with ``.chunk`` set to the
@@ -109,9 +112,15 @@ def read_chunks(chunks: list[tuple[str, np.ndarray, int]]) -> list[np.ndarray]:
             jobs += [(k, _read_segment, fd, buf, offset, min(length, size - offset))
                      for offset, length in _segments(len(buf)) if offset < size]
         _run_all(jobs)
+    except OSError as e:
+        if getattr(e, "chunk", None) is not None and not e.filename:
+            e.filename = chunks[e.chunk][0]  # the error names the chunk's file
+        raise
     finally:
         for fd in fds:
             os.close(fd)
+    if not verify:
+        return [slot[:nbytes] for _, slot, nbytes in chunks]
     out = []
     for k, (path, slot, nbytes) in enumerate(chunks):
         stored = int.from_bytes(slot[nbytes : nbytes + CHECKSUM_BYTES].tobytes(), "little")
@@ -140,15 +149,19 @@ def write_chunks(chunks: list[tuple[str, np.ndarray, int]], sync: bool = True, a
     Raises:
         ChunkWriteError: naming the chunk that failed, with the OSError's errno.
     """
-    if atomic:
-        _write_atomic(chunks, sync)
-        return
-    rest = _overwrite_in_place(chunks, sync)
     try:
-        if rest:
-            _write_atomic([chunks[k] for k in rest], sync)
+        if atomic:
+            _write_atomic(chunks, sync)
+            return
+        rest = _overwrite_in_place(chunks, sync)
+        try:
+            if rest:
+                _write_atomic([chunks[k] for k in rest], sync)
+        except ChunkWriteError as e:
+            e.chunk = rest[e.chunk]
+            raise
     except ChunkWriteError as e:
-        e.chunk = rest[e.chunk]
+        e.filename = e.filename or chunks[e.chunk][0]  # the error names the chunk's file
         raise
 
 

@@ -4,7 +4,8 @@ Every store error is a `StoreError`. Those the user can fix (a tier, path or opt
 cannot use, the disk, the budget, a lock, a mismatched store) are also `zinfjax.errors.UserError`s,
 so the CLI prints them as one line. The rest are not the user's: a plain `StoreError` is a store
 used out of order (closed, or read after a failed write), and a checksum failure is the disk's
-(`StoreCorruptionError` names the leaf and layer that failed).
+(`StoreCorruptionError` names the leaf and layer that failed). A read or write the disk itself fails
+(EIO) is a `StoreIOError`, a `UserError`: one line naming the file, the layer and the leaf.
 """
 
 from zinfjax.errors import UserError
@@ -38,6 +39,10 @@ class StoreLockedError(StoreError, UserError):
     """Another live process holds the store's lock file."""
 
 
+class StoreIOError(StoreError, UserError, OSError):
+    """The disk failed a read or a write of the nvme tier (EIO, say); the message names the file, layer and leaf."""
+
+
 class LayerNotWrittenError(StoreError):
     """A layer was read before any write of it reached the store."""
 
@@ -54,3 +59,8 @@ class StoreCorruptionError(StoreError):
         super().__init__(message)
         self.leaf = leaf
         self.layer = layer
+
+
+class LiveStateCorruptError(StoreCorruptionError, UserError):
+    """A chunk of a run's own state on the nvme tier failed its checksum: the disk (or memory) changed it after
+    the run wrote it. One line for the user: which chunk, and the checkpoint to resume from."""

@@ -65,6 +65,8 @@ def fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:  # fsync names no file: the error does (EIO, say), for the one line the user sees
+        raise OSError(e.errno, e.strerror, directory) from e
     finally:
         os.close(fd)
 

@@ -28,6 +28,7 @@ from zinfjax.store.errors import (
     ManifestMismatchError,
     StoreCorruptionError,
     StoreError,
+    StoreIOError,
     StorePathError,
     StoreSpaceError,
     StoreUsageError,
@@ -119,6 +120,8 @@ class NvmeStore(LayerStore):
         replace: a store found under ``directory`` with other shapes or layers (a run with another model, or
             another split of its layers, `zinfjax.store.split`) is deleted and made afresh instead of refused:
             for scratch state, which a run writes whole before it reads any.
+        verify: check each chunk's crc32c as it is read (direct chunk I/O); False trusts the disk and
+            memory (the checksum is still written). tensorstore's reads always check it.
         **context: options for `tensorstore_context`; ``file_io_sync`` applies to both.
     """
 
@@ -138,6 +141,7 @@ class NvmeStore(LayerStore):
         atomic: bool = True,
         in_place: dict[str, str] | None = None,
         replace: bool = False,
+        verify: bool = True,
         **context,
     ):
         super().__init__(like, layouts)
@@ -149,6 +153,7 @@ class NvmeStore(LayerStore):
         self._sync = context.get("file_io_sync", True)
         self._atomic = atomic
         self._replace = replace
+        self.verify = verify
         self.directory = os.path.abspath(directory)
         prepare_directory(self.directory)
         self._lock_file = StoreLock(self.directory)
@@ -166,7 +171,12 @@ class NvmeStore(LayerStore):
 
     def _open(self, create: bool, context: ts.Context) -> list[ts.TensorStore]:
         expected = manifest.build(os.path.basename(self.directory), self.layouts)
-        found = manifest.read(self.directory)
+        try:
+            found = manifest.read(self.directory)
+        except StoreError:
+            if not self._replace:
+                raise
+            found = {}  # scratch state whose manifest was damaged: made afresh, as a mismatched one
         if found is not None and self._replace and not manifest.matches(self.directory, found, expected):
             manifest.clear(self.directory, keep=self._lock_file.path)
             found = None
@@ -312,7 +322,7 @@ class NvmeStore(LayerStore):
             for (k, s), (slot, _) in zip(plan, slots, strict=True)
         ]
         try:
-            chunkfile.read_chunks(chunks)
+            chunkfile.read_chunks(chunks, verify=self.verify)
         except (ValueError, OSError) as e:
             raise self._translate(e, i, self.layouts[plan[getattr(e, "chunk", 0)][0]], writing=False) from e
 
@@ -381,6 +391,10 @@ class NvmeStore(LayerStore):
         corrupt = isinstance(e, chunkfile.ChunkCorruptError) or any(sign in msg for sign in _CORRUPTION_SIGNS)
         if not writing and corrupt:
             return StoreCorruptionError(f"corrupt chunk in {where}: {msg}", leaf=lay.name, layer=i)
+        if isinstance(e, OSError) and e.errno is not None:  # the disk failed it (EIO, a read-only remount...)
+            return StoreIOError(f"NVMe {'write' if writing else 'read'} failed: [Errno {e.errno}] "
+                                f"{e.strerror or os.strerror(e.errno)}: {e.filename or lay.name} "
+                                f"(layer {i} of leaf {lay.name!r} in store {self.directory})")
         return StoreError(f"{'writing' if writing else 'reading'} {where} failed: {msg}")
 
     def _count(self, field: str, nbytes: int) -> None:

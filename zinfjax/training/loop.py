@@ -24,7 +24,9 @@ from tqdm import tqdm
 from zinfjax._util.byte_sizes import format_bytes
 from zinfjax._util.choices import TIER_KEYS
 from zinfjax.checkpoint import CheckpointManager, CheckpointSaveError
+from zinfjax.checkpoint.format import step_dir
 from zinfjax.checkpoint.resume import choose_start
+from zinfjax.checkpoint.verify import verify_checkpoint
 from zinfjax.config import Config
 from zinfjax.data import Batches, model_tokens
 from zinfjax.engine.in_place import nbytes as in_place_nbytes
@@ -33,6 +35,7 @@ from zinfjax.errors import ConfigError, UserError
 from zinfjax.runtime import allocator, rss
 from zinfjax.runtime.distributed import initialize_from_env, is_main_process, process_nvme_path
 from zinfjax.sharding import make_mesh
+from zinfjax.store.errors import LiveStateCorruptError, StoreCorruptionError, StoreIOError
 from zinfjax.trainers.build import build_trainer, run_model
 from zinfjax.trainers.optimizers import make_schedule
 from zinfjax.training.floor import Floor
@@ -72,16 +75,22 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     saver = Saver(config, model.config, trainer, start.run_id, first - 1) if config.save_dir else None
     floor = board = None
     try:
-        floor, board = _reporters(config, trainer, plan, log, main)
-        log["init_s"] = time.perf_counter() - started  # through the restore, if any, and the disk probe
-        failure = _steps(config, trainer, batches, log, saver, first, progress and main, floor, board)
-    finally:
-        if board is not None:
-            board.close()
-        if tracer is not None:
-            tracer.detach()
-            tracer.save(trace)
-        trainer.close()
+        try:
+            floor, board = _reporters(config, trainer, plan, log, main)
+            log["init_s"] = time.perf_counter() - started  # through the restore, if any, and the disk probe
+            failure = _steps(config, trainer, batches, log, saver, first, progress and main, floor, board)
+        finally:
+            if board is not None:
+                board.close()
+            if tracer is not None:
+                tracer.detach()
+                tracer.save(trace)
+            trainer.close()
+    except StoreIOError as e:  # the nvme disk failed: say what is safe, after the save in flight ended
+        raise StoreIOError(f"{e}; {Saver.last_complete(saver)}") from e
+    except StoreCorruptionError as e:  # a bit of the live state changed on the disk or in memory (verify_chunks)
+        raise LiveStateCorruptError(f"the run's state on NVMe is damaged: {e}; {Saver.last_complete(saver, True)}",
+                                    leaf=e.leaf, layer=e.layer) from e
     if failure is not None:
         log["error"] = str(failure)
     if config.log and main:
@@ -267,6 +276,23 @@ class Saver:
         except CheckpointSaveError as e:
             self._report_or_keep(e)
         self._report_or_keep(self.manager.last_error)
+
+    @staticmethod
+    def last_complete(saver: Saver | None, verified: bool = False) -> str:
+        """Where a failed run can resume from: the newest complete checkpoint, once the save in flight ended.
+
+        ``verified``: the newest whose every chunk's checksum holds (a chunk damaged before a save linked it
+        is in that checkpoint too), as ``resume=true`` chooses it."""
+        if saver is None:
+            return "no save_dir is set, so no checkpoint exists"
+        saver.manager.wait(raise_error=False)
+        steps, where, damaged = saver.manager.steps(), saver.manager.directory, []
+        while verified and steps and not verify_checkpoint(step_dir(where, steps[-1])).complete:
+            damaged.append(steps.pop())
+        skipped = f" (step {', '.join(map(str, damaged))} fails its checksums; resume skips it)" if damaged else ""
+        if not steps:
+            return f"no complete checkpoint exists in {where}{skipped}"
+        return f"the last complete checkpoint is step {steps[-1]} in {where}{skipped} (resume=true)"
 
     def good_and_doubtful(self) -> tuple[int | None, list[int]]:
         """The newest checkpoint a finite loss vouched for, and the ones saved after it (on disk)."""
