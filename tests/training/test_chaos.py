@@ -27,6 +27,7 @@ import time
 
 import pytest
 
+from tests.support.train_runs import chunk_files as files
 from zinfjax.checkpoint import complete_steps, read_meta
 from zinfjax.checkpoint.verify import verify_save_dir
 
@@ -74,17 +75,6 @@ def step_period(proc: subprocess.Popen, save_dir, steps: int) -> float:
     began = [wait_for(proc, save_dir, step) for step in range(1, steps + 1)]
     assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
     return statistics.median(b - a for a, b in zip(began, began[1:], strict=False))
-
-
-def files(step_dir) -> dict[str, bytes]:
-    """The bytes of every file of a checkpoint but its zinfjax.json (which holds times and run ids)."""
-    out = {}
-    for item in ("params", "opt_state"):
-        for root, _, names in os.walk(os.path.join(step_dir, item)):
-            for name in names:
-                with open(os.path.join(root, name), "rb") as f:
-                    out[os.path.relpath(os.path.join(root, name), step_dir)] = f.read()
-    return out
 
 
 @pytest.fixture
