@@ -217,8 +217,11 @@ class Engine:
 
 
     def _release_scratch(self) -> None:
-        """With the state on nvme, memory is the budget: give the compiler's freed scratch back to the system."""
-        if self.config.uses_nvme:
+        """With the state on nvme and memory capped, memory is the budget: give the compiler's freed scratch back
+        to the system. Uncapped, the heap keeps it: the step reuses it, and pages trimmed out of a heap on
+        transparent huge pages come back anyway, as the kernel collapses their ranges into huge pages again
+        (RSS creeping up over minutes with nothing allocated: docs/BENCHMARKS.md, "Soak")."""
+        if self.capped:
             allocator.trim()
 
     def _fill(self, source) -> None:
