@@ -14,6 +14,7 @@ gives up, docs/store.md "Integrity").
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import signal
@@ -30,6 +31,7 @@ from tests.support.train_runs import chunk_files, finish, losses, the_error
 from zinfjax.checkpoint import complete_steps
 from zinfjax.checkpoint.verify import verify_checkpoint
 from zinfjax.store import StoreCorruptionError
+from zinfjax.store.chunkfile import BLOCK
 from zinfjax.store.layout import leaf_layout
 from zinfjax.store.nvme import NvmeStore
 
@@ -48,21 +50,30 @@ def live_chunks(nvme_path) -> list[str]:
     for root, _, names in os.walk(nvme_path):
         if "c" in os.path.relpath(root, nvme_path).split(os.sep):
             out += [os.path.join(root, n) for n in names
-                    if n.isdigit() and os.stat(os.path.join(root, n)).st_nlink == 1]
+                    if n.isdigit() and os.stat(os.path.join(root, n)).st_nlink == 1
+                    and os.path.getsize(os.path.join(root, n)) > BLOCK + 4]
     return out
 
 
 def flip_a_bit(path: str, seed: int) -> None:
-    """Flips one bit of the chunk's data (not its trailing checksum), in place, on the disk."""
+    """Flips one bit of the chunk's data (not its trailing checksum) on the disk, under the page cache: a block
+    read and written back with O_DIRECT, as the disk itself would change it (a buffered write would leave
+    the page cache and the engine's O_DIRECT reads seeing different bytes)."""
     size = os.path.getsize(path)
-    at = np.random.default_rng(seed).integers(0, size - 4)
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 0x10]))
-        f.flush()
-        os.fsync(f.fileno())
+    body = (size - 4) // BLOCK * BLOCK
+    assert body, f"{path} has no whole block to flip"
+    at = int(np.random.default_rng(seed).integers(0, body))
+    block = mmap.mmap(-1, BLOCK)  # page aligned, as O_DIRECT needs
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    try:
+        start = at // BLOCK * BLOCK
+        assert os.preadv(fd, [block], start) == BLOCK
+        block[at - start] ^= 0x10
+        assert os.pwritev(fd, [block], start) == BLOCK
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        block.close()
 
 
 def stop_with_live_chunks(proc: subprocess.Popen, save_dir, nvme_path, files: list[str]) -> tuple[int, list[str]]:
