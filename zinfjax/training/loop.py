@@ -89,7 +89,8 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     except StoreIOError as e:  # the nvme disk failed: say what is safe, after the save in flight ended
         raise StoreIOError(f"{e}; {Saver.last_complete(saver)}") from e
     except StoreCorruptionError as e:  # a bit of the live state changed on the disk or in memory (verify_chunks)
-        raise LiveStateCorruptError(f"the run's state on NVMe is damaged: {e}; {Saver.last_complete(saver, True)}",
+        resume_from = Saver.last_complete(saver, verified=True)
+        raise LiveStateCorruptError(f"the run's state on NVMe is damaged: {e}; {resume_from}",
                                     leaf=e.leaf, layer=e.layer) from e
     if failure is not None:
         log["error"] = str(failure)
