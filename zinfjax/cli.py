@@ -67,8 +67,8 @@ def _train(args) -> int:
     from zinfjax.training.loop import run
 
     config = Config.load(args.config, args.overrides)
-    if config.uses_nvme:
-        tune_allocator()  # before the engine's I/O threads start: see zinfjax/runtime/allocator.py
+    if config.may_use_nvme:  # before any thread allocates (an arena each otherwise): zinfjax/runtime/allocator.py
+        tune_allocator()
     log = run(config, progress=not args.quiet, trace=args.trace)
     if not is_main_process():
         return 0

@@ -191,6 +191,11 @@ class Config:
         return self.kv_cache == "nvme" or any("nvme" in tiers_in(getattr(self, k)) for k in TIER_KEYS)
 
     @property
+    def may_use_nvme(self) -> bool:
+        """Whether the run may stream from NVMe: a tier key names it, or tiers=auto has an ``nvme_path`` to choose."""
+        return self.uses_nvme or (self.tiers_auto and bool(self.nvme_path))
+
+    @property
     def tiers_auto(self) -> bool:
         """Whether the run takes its tier keys from the plan: ``tiers=auto``, or ``tiers`` left at its default with
         ``nvme_path`` set and every tier key at its default (device)."""

@@ -23,9 +23,19 @@ import weakref
 import numpy as np
 import pytest
 
+from tests.support.engine_helpers import config, make_engine
 from zinfjax import Config
-from zinfjax.engine.budget import Budget, memory_capped
+from zinfjax.engine.budget import (
+    HEAP_RESIDENT_FRACTION,
+    LIVE_PER_DEPTH,
+    Budget,
+    heap_room,
+    make_budget,
+    memory_capped,
+    minimum_bytes,
+)
 from zinfjax.models import ModelConfig
+from zinfjax.runtime import allocator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WIDE = dict(d_model=384, max_seq_len=64, n_heads=6, d_ff=1536)
@@ -118,3 +128,42 @@ def test_a_closed_engine_leaves_its_compiled_functions_to_the_collector(tmp_path
     update_plan.cache_clear()
     gc.collect()
     assert [name for name, ref in held.items() if ref() is not None] == []
+
+
+def test_a_roomy_budget_gives_the_heap_its_room_before_read_ahead_depth_3():
+    """Past depth 2, the heap's room (its kept free pages and an operation's fragments) comes before depth 3; a budget
+    without it returns freed pages (`keeps_heap` false), and so does one whose explicit depth takes the room."""
+    mib, read, write, base = 1 << 20, 90 << 20, 85 << 20, 300 << 20
+    least = minimum_bytes(base, 0, read, write)
+    depth2 = least + 2 * write + LIVE_PER_DEPTH * read  # the least roomy budget: read-ahead depth 2
+
+    def budget(extra: int, **keys):
+        return make_budget(Config(memory_limit=depth2 + extra, **keys), read, write, baseline=base)
+
+    assert (budget(-mib).lean, budget(-mib).keeps_heap) == (True, False)
+    tight = budget(heap_room(read) - mib)  # room for depth 3 (2x the reads), not for the heap
+    assert (tight.lean, tight.prefetch_depth, tight.keeps_heap) == (False, 3, False)
+    room = budget(heap_room(read))
+    assert (room.prefetch_depth, room.keeps_heap) == (2, True)
+    both = budget(heap_room(read) + LIVE_PER_DEPTH * read)
+    assert (both.prefetch_depth, both.keeps_heap) == (3, True)
+    assert not budget(heap_room(read), prefetch_depth=3).keeps_heap  # the depth asked for takes the room
+    # State held whole in memory leaves holes among its buffers: the room grows with it.
+    resident = 4 << 30
+    held = make_budget(Config(memory_limit=depth2 + resident + heap_room(read)), read, write, resident, base)
+    assert not held.keeps_heap and heap_room(read, resident) - heap_room(read) == int(HEAP_RESIDENT_FRACTION * resident)
+    assert make_budget(Config(memory_limit=depth2 + resident + heap_room(read, resident)), read, write, resident,
+                       base).keeps_heap
+
+
+@pytest.mark.parametrize("tuned", [True, False])
+def test_a_capped_engine_keeps_the_heap_only_when_tuned_first_and_the_budget_has_room(tmp_path, monkeypatch, tuned):
+    """A heap tuned after threads had each taken an arena keeps pages in every arena: the engine returns them then."""
+    monkeypatch.setattr(allocator, "_tuned", tuned)
+    c = config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path / "nv"), memory_limit="3GiB")
+    engine = make_engine(c)
+    try:
+        assert engine.capped and engine.budget.keeps_heap
+        assert engine.strict_heap is not tuned
+    finally:
+        engine.close()

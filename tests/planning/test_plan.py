@@ -8,12 +8,14 @@ import pytest
 from zinfjax import models
 from zinfjax.cli import main
 from zinfjax.config import TIER_KEYS, Config
+from zinfjax.engine.budget import heap_room
 from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.engine.memory import zero_formula
-from zinfjax.planning.cost import NOMINAL, traffic
-from zinfjax.planning.recommend import PlanError, make_plan
+from zinfjax.engine.stores import StoreSpec, budget_needs
+from zinfjax.planning.cost import NOMINAL, REGIME_FACTOR, fit, predict, traffic
+from zinfjax.planning.recommend import REGIMES, PlanError, make_plan
 from zinfjax.planning.report import format_plan
-from zinfjax.planning.state import parameter_count, state_parts
+from zinfjax.planning.state import _specs, parameter_count, state_parts
 from zinfjax.runtime import rss
 from zinfjax.sharding import make_mesh
 from zinfjax.trainers.streaming import lm_engine
@@ -193,3 +195,34 @@ def test_a_busy_machine_is_noticed_in_the_plan():
     note = next(n for n in plan["notes"] if n.startswith("other processes kept"))
     assert "plan again when it is idle" in note
     assert plan["tiles"] == 1  # tiles=auto: gpt2-tiny fits untiled
+
+
+def test_the_plan_prices_each_budget_regime(tmp_path):
+    """Three budgets the engine may get (`fit`'s regimes): the heap's room on top of the roomy budget, which is on top
+    of the least; a placement is priced at the roomiest that fits, and a lesser regime costs compute."""
+    config = _config(f"nvme_path={tmp_path / 'nv'}", f"memory_limit={above_this_process(1 << 30)}")
+    plan = make_plan(config, probe=False)
+    model_config = models.ModelConfig.resolve(config.model)
+    stores, cut, residuals = _specs(config, model_config)
+    parts = {**state_parts(config, model_config, stores), "residuals": residuals}
+    nvme = dict.fromkeys(TIER_KEYS, "nvme")
+    need = {r: fit(config, parts, stores, nvme, plan["machine"], cut, r)["need"]["host"] for r in REGIMES}
+    whole = budget_needs([StoreSpec(k, g, "nvme", like) for k, g, like in stores if k != "acts"],
+                         [StoreSpec(k, g, "nvme", like) for k, g, like in stores if k == "acts"], "cpu")[0]
+    assert need["least"] < need["roomy"] and need["heap"] - need["roomy"] == heap_room(whole)
+    row = next(r for r in plan["placements"] if r["tiers"] == nvme)
+    assert row["regime"] == "heap" and row["roomy"]
+    moved = row["bytes_per_step"]
+    steps = {r: predict(config, nvme, moved, plan["rates"], "cpu", r)["compute_s"] for r in REGIMES}
+    assert steps["heap"] < steps["roomy"] < steps["least"]
+    assert steps["roomy"] == pytest.approx(REGIME_FACTOR["roomy"] * steps["heap"])
+
+
+def test_the_heap_is_tuned_first_wherever_nvme_may_be_used(tmp_path):
+    """`zinfjax train` tunes glibc before any thread allocates when a run may stream from NVMe, tiers=auto with an
+    nvme_path included: tuned later, each thread keeps its own arena's freed pages (a capped run was killed so)."""
+    nv = f"nvme_path={tmp_path / 'nv'}"
+    assert _config(nv).may_use_nvme and _config("tiers=auto", nv).may_use_nvme
+    assert _config("params=nvme", nv).may_use_nvme
+    assert not _config().may_use_nvme and not _config("tiers=auto").may_use_nvme
+    assert not _config("params=host", nv).may_use_nvme  # a tier key given: manual, and none names nvme

@@ -81,10 +81,11 @@ def test_the_plan_s_compute_is_compute_alone_where_it_timed_it():
 def test_compute_alone_comes_from_a_plan_only_where_it_timed_it():
     device = {"params": "device", "optimizer": "device"}
     nvme = {"params": "nvme", "optimizer": "nvme"}
-    plan = {"probed": True, "recommended": {"tiers": nvme, "step_s": 1.0},
+    plan = {"probed": True, "recommended": {"tiers": nvme, "step_s": 1.0}, "rates": {"calibration_layers": 2},
             "placements": [{"tiers": device, "compute_s": 0.2}, {"tiers": nvme, "compute_s": 0.3}]}
     assert plan_compute(plan) == 0.3
     assert plan_compute({**plan, "probed": False}) is None  # nominal figures are no measurement
+    assert plan_compute({**plan, "rates": {}}) is None  # probed, but its timing runs did not fit: nominal compute
     assert plan_compute(None) is None
 
 

@@ -64,12 +64,14 @@ def point(model: str, budget: str, args, tiers: list[str] | None = None) -> dict
     chosen = {k: log["config"][k] for k in ("params", "optimizer", "gradients", "activations")}
     predicted = (log.get("placement") or {}).get("predicted_step_s")
     return {**out, "tiers": chosen, "step_s": step, "steps_s": [s["step_s"] for s in log["steps"]],
-            "predicted_step_s": predicted, "predicted_over_measured": predicted / step if predicted else None,
+            "predicted_step_s": predicted, "planned_regime": (log.get("placement") or {}).get("regime"),
+            "predicted_over_measured": predicted / step if predicted else None,
             "compute_alone_s": compute, "io_floor_s": io_floor, "floor_s": floor,
             "step_over_floor": step / floor if floor else None,
             "nvme_GB_per_step": moved / 1e9, "io_cpu_s_per_GB": io_cpu / (moved / 1e9) if moved else None,
             "prefetch_depth": (log.get("budget") or {}).get("prefetch_depth"),  # the in-memory loop has no budget
-            "lean": (log.get("budget") or {}).get("lean"), "trainer": "engine" if log.get("budget") else "in-memory",
+            "lean": (log.get("budget") or {}).get("lean"), "keeps_heap": (log.get("budget") or {}).get("keeps_heap"),
+            "trainer": "engine" if log.get("budget") else "in-memory",
             "peak_rss_GB": run["peak_rss_GB"], "init_s": run["init_s"], "losses": run["losses"]}
 
 

@@ -9,14 +9,15 @@ XLA's compiler, and splits the rest:
   operation's reads: the reads, the outputs, the gradient, the next reads and the heap's
   fragments), one slice staged and one slice in flight;
 - when the budget holds a second slice staged and in flight and one operation read ahead beyond
-  that, ``host_buffer_bytes`` and the writes in flight are two slices, and ``prefetch_depth`` is
-  what the rest holds (2 to 3) at twice the largest operation's reads per step of read-ahead;
+  that, ``host_buffer_bytes`` and the writes in flight are two slices, ``prefetch_depth`` is 2, and
+  what the rest holds goes first to the heap's room (`heap_room`), then to read-ahead depth 3 at twice
+  the largest operation's reads;
 - otherwise the budget is *lean*: one slice each, one operation read ahead.
 
 With state on NVMe and memory capped (`memory_capped`: ``memory_limit`` or ``host_buffer_bytes`` set,
-or a memory cgroup below what is available) the engine also lowers glibc's mmap threshold
-(`NVME_MMAP_THRESHOLD`), so freed layer buffers leave the heap at once, and trims the heap at each
-step's start. Uncapped, it keeps 32 MiB and lets the heap keep 256 MiB of freed pages
+or a memory cgroup below what is available) and no room for the heap (``keeps_heap`` false), the engine
+also lowers glibc's mmap threshold (`NVME_MMAP_THRESHOLD`), so freed layer buffers leave the heap at once,
+and trims the heap at each step's start. Otherwise it keeps 32 MiB and lets the heap keep 256 MiB of freed pages
 (`zinfjax.runtime.allocator.KEEP_FREE`): every large buffer mapped or faulted afresh costs CPU (gpt2-small on
 NVMe: 5.3-5.6 s steps at 4 MiB, 4.5-4.9 s at 32 MiB, peak 1.43 against 1.57 GB; docs/BENCHMARKS.md,
 "Profile"; and 6-10% of the step from keeping the pages, "Fewer reads, and the heap keeps its pages
@@ -40,6 +41,7 @@ import os
 from zinfjax._util.byte_sizes import format_bytes
 from zinfjax.errors import UserError
 from zinfjax.runtime import rss
+from zinfjax.runtime.allocator import KEEP_FREE
 
 UNLIMITED = 1 << 60
 # What XLA's compiler and a step's temporaries take above the steady state, measured on the CPU
@@ -62,6 +64,10 @@ MIN_BUFFERS = 1 << 20
 # go back to the system when freed, instead of fragmenting the heap (100-300 MiB less at the peak of
 # gpt2-small and llama-1b, at no measurable cost in step time; zinfjax.runtime.allocator).
 NVME_MMAP_THRESHOLD = 4 << 20
+# The holes a heap that keeps its pages leaves among the state held whole in memory, as a fraction of that state:
+# llama-1b bf16 at 16 GiB with 14.7 GB of it in memory peaked at 17.07, 17.34 and 17.74 GB in its first 3 steps
+# against 17.18 GB, kept pages and no room for them (docs/engine.md, "Memory"); gpt2-large at 5-11 GiB stayed flat.
+HEAP_RESIDENT_FRACTION = 0.10
 
 
 class MemoryBudgetError(UserError):
@@ -87,6 +93,7 @@ class Budget:
     host_buffer_bytes: int
     write_bytes_in_flight: int  # slices handed to a tier and not yet written, which the engine still holds
     lean: bool = False  # the budget allows only the minimum: one slice staged, one in flight, no read-ahead
+    keeps_heap: bool = True  # room for the freed pages the heap keeps (`heap_room`); else a capped run returns them
 
     def describe(self) -> str:
         return (f"memory budget {format_bytes(self.limit)} ({self.source}): {format_bytes(self.baseline)} at start, "
@@ -191,16 +198,36 @@ def make_budget(config, read_bytes: int, write_bytes: int, resident: int = 0,
             f"{format_bytes(2 * write_bytes)} for a write staged and one in flight, besides the compiler's "
             f"{format_bytes(COMPILE_RESERVE)}; the smallest budget that would work is {format_bytes(least)} "
             "(set memory_limit, move state to nvme, or give the process more memory)")
-    spare = limit - least  # beyond the minimum: a second slice staged and in flight, then read-ahead
+    spare = limit - least  # beyond the minimum: a second slice staged and in flight, the heap's room, read-ahead
     ahead = LIVE_PER_DEPTH * max(read_bytes, 1)
     lean = spare < 2 * write_bytes + ahead
     slices = 1 if lean else 2
     buffers = config.host_buffer_bytes or max(slices * write_bytes, MIN_BUFFERS)
     in_flight = max(slices * write_bytes, MIN_BUFFERS)
+    rest = spare - 2 * write_bytes - ahead  # beyond read-ahead depth 2
+    room = heap_room(read_bytes, resident)
+    keeps_heap = not lean and rest >= room
     depth = config.prefetch_depth
     if depth is None:  # the minimum holds one operation read ahead (LIVE_BASE was measured so)
-        depth = 1 if lean else int(min(MAX_DEPTH, 2 + (spare - 2 * write_bytes - ahead) // ahead))
-    return Budget(limit, source, baseline, depth, int(buffers), int(in_flight), lean)
+        rest -= room if keeps_heap else 0
+        depth = 1 if lean else int(min(MAX_DEPTH, 2 + rest // ahead))
+    else:
+        keeps_heap = keeps_heap and rest - max(depth - 2, 0) * ahead >= room
+    return Budget(limit, source, baseline, depth, int(buffers), int(in_flight), lean, keeps_heap)
+
+
+def heap_room(read_bytes: int, resident: int = 0) -> int:
+    """What a capped run needs beyond its read-ahead to let the heap keep its freed pages: the free memory glibc
+    keeps at the heap's top (`KEEP_FREE`), one more operation's worth of fragments, and `HEAP_RESIDENT_FRACTION` of
+    the state held whole in memory (``resident``), among whose buffers freed ones stay as holes. Without it the
+    engine gives freed pages back at once, and faults them in again: a fifth of the CPU time of gpt2-large's step
+    at 11 GiB (docs/engine.md, "Memory"). It comes before read-ahead beyond depth 2, which buys less.
+
+    Example:
+        >>> heap_room(100 << 20) >> 20, heap_room(100 << 20, resident=10 << 30) >> 20
+        (456, 1480)
+    """
+    return KEEP_FREE + LIVE_PER_DEPTH * max(read_bytes, 1) + int(HEAP_RESIDENT_FRACTION * resident)
 
 
 def minimum_bytes(baseline: int, resident: int, read_bytes: int, write_bytes: int) -> int:

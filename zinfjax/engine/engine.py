@@ -173,7 +173,10 @@ class Engine:
         # memory is plentiful. Under a cap, computing the state takes it: the writes keep the step's own bound.
         self.capped = config.uses_nvme and memory_capped(config, self.budget)
         fill_bound = self.budget.write_bytes_in_flight + (0 if self.capped else LIVE_BASE * planned.needs[0])
-        if self.capped:  # freed layer buffers leave the heap at once (docs/design.md, invariant 2)
+        # A capped budget without room for the freed pages the heap keeps (`zinfjax.engine.budget.heap_room`) gives
+        # them back at once (docs/design.md, invariant 2); one with room keeps them, as an uncapped run does.
+        self.strict_heap = self.capped and not (self.budget.keeps_heap and allocator.tuned())
+        if self.strict_heap:
             allocator.tune_allocator(mmap_threshold=NVME_MMAP_THRESHOLD, trim_threshold=allocator.GLIBC_TRIM_THRESHOLD)
         self.config = config = config.replace(prefetch_depth=self.budget.prefetch_depth,
                                               host_buffer_bytes=self.budget.host_buffer_bytes)
@@ -290,7 +293,7 @@ class Engine:
     def train_step(self, batch, rng=None) -> dict:
         """One optimizer step on ``batch`` (a pytree of arrays with a leading batch axis); returns its metrics."""
         crash_marker.begin(self.config, self.step_count + 1)
-        if self.capped:  # the last step's freed buffers leave the heap before this one's peak
+        if self.strict_heap:  # the last step's freed buffers leave the heap before this one's peak
             allocator.trim()
         telemetry = self._telemetry = StepTelemetry(self.stores.pieces(), self.tracer)
         try:

@@ -13,6 +13,7 @@ import numpy as np
 from zinfjax._util.choices import COMPUTE_DTYPES, TIER_KEYS
 from zinfjax.config import Config
 from zinfjax.planning.cost import NOMINAL
+from zinfjax.runtime import allocator
 
 CALIBRATION_LAYERS = 4
 
@@ -62,6 +63,7 @@ def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAY
 
     c = config.replace(**dict.fromkeys(TIER_KEYS, tier), tiers="manual", save_dir=None, resume=False,
                        memory_limit=None)
+    allocator.trim()  # the budget counts what the process holds: not the pages its heap kept from the last run
     m = calibration_model(model_config, layers)
     engine = lm_engine(models.build(m, COMPUTE_DTYPES[c.precision]), c, make_mesh(c.mesh_axes()))
     try:

@@ -7,7 +7,7 @@ import itertools
 
 from zinfjax._util.choices import TIER_KEYS, TIERS
 from zinfjax.config import Config
-from zinfjax.engine.budget import COMPILE_RESERVE, LIVE_BASE, LIVE_PER_DEPTH, minimum_bytes
+from zinfjax.engine.budget import COMPILE_RESERVE, LIVE_BASE, LIVE_PER_DEPTH, heap_room, minimum_bytes
 from zinfjax.engine.stores import StoreSpec, budget_needs
 from zinfjax.planning.state import KIND_TIER, device_bytes
 
@@ -33,11 +33,14 @@ def uses_reference(config: Config, tiers: dict[str, str]) -> bool:
 
 
 def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dict, cut: dict | None = None,
-        read_ahead: bool = False) -> dict:
-    """What ``tiers`` needs of host memory, device memory and disk, and what is short of each
-    (``cut``: the groups the engine updates in parts; ``read_ahead``: room for the engine's roomy budget rather than
-    its least, `zinfjax.engine.budget.make_budget`: the step's saved residuals (no forward recomputed in the
-    backward), whole layers updated (no parts), a second slice staged and one more operation read ahead)."""
+        regime: str = "least") -> dict:
+    """What ``tiers`` needs of host memory, device memory and disk, and what is short of each.
+
+    ``cut``: the groups the engine updates in parts. ``regime``: the engine's budget
+    (`zinfjax.engine.budget.make_budget`): its ``least``; ``roomy``, the step's saved residuals (no forward
+    recomputed in the backward), whole layers updated (no parts), a second slice staged and one more operation
+    read ahead; ``heap``, that and the heap's room to keep its freed pages (`zinfjax.engine.budget.heap_room`).
+    """
     cpu = machine["platform"] == "cpu"
     held = {"device": 0, "host": 0, "nvme": 0}
     device_held = 0
@@ -58,10 +61,11 @@ def fit(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dic
     else:  # the engine's budget (zinfjax.engine.budget.make_budget), and one layer's transient
         resident = held["host"] + (held["device"] if cpu else 0)
         host_need = minimum_bytes(machine["baseline_bytes"], resident, read, write_slice) + transient
-        if read_ahead:  # the roomy budget: residuals kept, whole layers updated, a second slice, one more read ahead
+        if regime != "least":  # the roomy budget: residuals kept, whole layers updated, a second slice, one more ahead
             whole, write_slice, _ = budget_needs(state, acts, machine["platform"])
             host_need = minimum_bytes(machine["baseline_bytes"], resident + parts.get("residuals", 0), whole,
                                       write_slice) + transient + 2 * write_slice + LIVE_PER_DEPTH * whole
+            host_need += heap_room(whole, resident) if regime == "heap" else 0
     need = {"host": host_need, "nvme": held["nvme"]}
     have = {"host": machine["host_bytes"], "nvme": machine["nvme_free_bytes"] or 0}
     if not cpu:
@@ -91,23 +95,28 @@ def traffic(stores, tiers: dict[str, str], factors: dict | None) -> dict[str, fl
     return out
 
 
-# What a lean budget (no room for the roomy one, `fit`'s ``read_ahead``) costs compute: its backward recomputes
-# each layer's forward (a third more), it updates layers in parts and reads one operation ahead. Measured on
-# gpt2-large fp32 at memory_limit=5GiB (docs/BENCHMARKS.md, "Memory first"): the lean placement's step less its
-# NVMe time was 1.55x compute alone, the roomy placement's 0.96x.
-LEAN_FACTOR = 1.5
+# What each budget regime (`fit`'s ``regime``) costs compute on the CPU backend, against compute alone:
+# - least (lean): the backward recomputes each layer's forward (a third more), layers update in parts, one
+#   operation is read ahead. Measured on gpt2-large fp32 at memory_limit=5GiB (docs/BENCHMARKS.md, "Memory
+#   first"): the lean placement's step less its NVMe time was 1.55x compute alone, the roomy placement's 0.96x.
+# - roomy, without the heap's room: freed pages go back to the system and are faulted in again each layer.
+#   gpt2-large fp32, the steps of the sweep in docs/BENCHMARKS.md ("Memory first") that ran so, against their
+#   predictions at this factor: 1.05x at 5 GiB, 0.97x at 7 GiB; and one placement at 11 GiB, 12.15 s a step
+#   against 10.37 s keeping its pages (docs/engine.md, "Memory"), predicted at 1.08x.
+# - heap: the roomy budget keeping its freed pages, as the plan's timing runs do.
+REGIME_FACTOR = {"least": 1.5, "roomy": 1.3, "heap": 1.0}
 
 
 def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rates: dict, platform: str,
-            lean: bool = False) -> dict:
+            regime: str = "heap") -> dict:
     """The cost model: the step's compute, host copies and NVMe I/O, and the step they make.
 
     ``nvme_io_s`` is what the NVMe tier adds to the step: on the CPU backend at the rate the engine
-    shows (`added_rate`), never less than the disk's own time; elsewhere the disk's time. ``lean``: the engine's
-    budget has no room beyond its least, and its compute costs `LEAN_FACTOR` times more.
+    shows (`added_rate`), never less than the disk's own time; elsewhere the disk's time. ``regime``: the engine's
+    budget (`fit`); below ``heap`` its compute costs `REGIME_FACTOR` times more.
     """
     alone = rates["reference_s"] if uses_reference(config, tiers) else rates["engine_s"]
-    compute = alone * (LEAN_FACTOR if lean else 1.0)
+    compute = alone * REGIME_FACTOR[regime]
     copy_bw = rates["host_copy_GBps"]  # None: the host tier is device memory and copies nothing
     host = (moved["read_host"] + moved["write_host"]) / (copy_bw * 1e9) if copy_bw else 0.0
     reading = moved["read_nvme"] / (rates["disk_read_GBps"] * 1e9)

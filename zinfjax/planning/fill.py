@@ -20,17 +20,18 @@ from zinfjax.planning.state import KIND_TIER, tree_bytes
 
 
 def fill_memory(config, parts: dict, stores, machine: dict, cut: dict | None = None, factors: dict | None = None,
-                ahead: bool = True) -> dict[str, str] | None:
-    """The placement that fills host memory first (see the module docstring), leaving the engine room to read ahead
-    (``ahead``) or only its least budget; None when even every part on NVMe does not fit so."""
+                regime: str = "heap") -> dict[str, str] | None:
+    """The placement that fills host memory first (see the module docstring), leaving the engine the budget
+    ``regime`` (`zinfjax.planning.cost.fit`: its least, roomy, or roomy with the heap's room); None when even every
+    part on NVMe does not fit so."""
     keys = [k for k in TIER_KEYS if any(KIND_TIER[kind] == k for kind, _, _ in stores)]
     tiers = {k: "nvme" if k in keys else "device" for k in TIER_KEYS}
-    if not fit(config, parts, stores, tiers, machine, cut, read_ahead=ahead)["fits"]:
+    if not fit(config, parts, stores, tiers, machine, cut, regime)["fits"]:
         return None
 
     def fits(key: str, count: int, length: int) -> bool:
         trial = {**tiers, key: layers_in_memory(count, length)}
-        return fit(config, parts, stores, trial, machine, cut, read_ahead=ahead)["fits"]
+        return fit(config, parts, stores, trial, machine, cut, regime)["fits"]
 
     for key in sorted(keys, key=lambda k: -saved_per_byte(k, stores, factors)):
         length = max(like_length(like) for kind, _, like in stores if KIND_TIER[kind] == key)

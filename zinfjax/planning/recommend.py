@@ -41,6 +41,7 @@ from zinfjax.planning.fill import fill_memory
 from zinfjax.planning.probes import MiB, probe_disk, probe_host_copy
 from zinfjax.planning.state import _specs, budgets, state_parts
 from zinfjax.runtime import rss
+from zinfjax.runtime.allocator import tune_allocator
 from zinfjax.runtime.cpu_load import OtherLoad
 from zinfjax.store.disk import prepare_directory
 from zinfjax.store.layout import host_tier_kind
@@ -63,6 +64,7 @@ class PlanError(UserError):
 
 
 OFFLOAD_ORDER = {"device": 0, "host": 1, "nvme": 2}
+REGIMES = ("heap", "roomy", "least")  # the engine's budget regimes, roomiest first (`zinfjax.planning.cost.fit`)
 TIE = 0.1  # predictions this close count as equal: the placement that offloads less wins
 
 
@@ -84,8 +86,8 @@ def make_plan(config: Config, probe: bool = True, baseline: int | None = None) -
     stores, cut, residuals = _specs(config, model_config)
     parts = {**state_parts(config, model_config, stores), "residuals": residuals}
     candidates = placements(nvme=bool(config.nvme_path))
-    for ahead in (True, False) if config.nvme_path else ():  # memory first, with room to read ahead and without
-        filled = fill_memory(config, parts, stores, machine, cut, ahead=ahead)
+    for regime in REGIMES if config.nvme_path else ():  # memory first, leaving the engine each budget regime
+        filled = fill_memory(config, parts, stores, machine, cut, regime=regime)
         if filled is not None and filled not in candidates:
             candidates.append(filled)
     fits = [(tiers, fit(config, parts, stores, tiers, machine, cut)) for tiers in candidates]
@@ -110,7 +112,7 @@ def make_plan(config: Config, probe: bool = True, baseline: int | None = None) -
     if busy_note(rates):
         notes.append(busy_note(rates))
     rows = [_row(config, tiers, f, traffic(stores, tiers, factors), rates, machine,
-                 fit(config, parts, stores, tiers, machine, cut, read_ahead=True)["fits"]) for tiers, f in fits]
+                 regime_of(config, parts, stores, tiers, machine, cut)) for tiers, f in fits]
     rows.sort(key=lambda r: (not r["fits"], round(r["step_s"], 4), offloaded(r["tiers"])))
     best = recommend(rows)
     if machine["platform"] == "cpu":
@@ -120,16 +122,25 @@ def make_plan(config: Config, probe: bool = True, baseline: int | None = None) -
     return {"model": config.model, "batch_size": config.batch_size, "seq_len": config.seq_len,
             "precision": config.precision, "stage": config.stage, "mesh": config.mesh, "parts": parts,
             "machine": machine, "rates": rates, "probed": probe, "notes": notes,
-            "tiles": model_config.tiles, "recommended": {"tiers": best["tiers"], "step_s": best["step_s"]},
+            "tiles": model_config.tiles,
+            "recommended": {"tiers": best["tiers"], "step_s": best["step_s"], "regime": best["regime"]},
             "placements": rows}
 
 
-def _row(config: Config, tiers: dict, f: dict, moved: dict, rates: dict, machine: dict, roomy: bool) -> dict:
-    """One placement's row: its fit, bytes per step and predicted step; on the engine's path, a budget that is not
-    roomy costs more compute (`zinfjax.planning.cost.predict`)."""
-    lean = machine["platform"] == "cpu" and not roomy and not uses_reference(config, tiers)
+def regime_of(config: Config, parts: dict, stores, tiers: dict, machine: dict, cut: dict | None) -> str:
+    """The engine's budget regime for ``tiers`` (`zinfjax.planning.cost.fit`): the roomiest that fits the budget the
+    engine will divide (``engine_host_bytes``: ``memory_limit`` itself, where placements fit it less a margin)."""
+    engine = {**machine, "host_bytes": machine.get("engine_host_bytes", machine["host_bytes"])}
+    return next((r for r in REGIMES[:-1] if fit(config, parts, stores, tiers, engine, cut, r)["fits"]), "least")
+
+
+def _row(config: Config, tiers: dict, f: dict, moved: dict, rates: dict, machine: dict, regime: str) -> dict:
+    """One placement's row: its fit, bytes per step and predicted step; on the engine's path on the CPU backend, a
+    budget below the roomiest costs more compute (`zinfjax.planning.cost.predict`)."""
+    priced = regime if machine["platform"] == "cpu" and not uses_reference(config, tiers) else "heap"
     return {"tiers": tiers, "fits": f["fits"], "need": f["need"], "short": f["short"], "bytes_per_step": moved,
-            "roomy": roomy, **predict(config, tiers, moved, rates, machine["platform"], lean)}
+            "roomy": regime != "least", "regime": regime,
+            **predict(config, tiers, moved, rates, machine["platform"], priced)}
 
 
 def plan_tiles(config: Config, model_config):
@@ -300,6 +311,8 @@ def _plan_child(probe: str, baseline: str) -> None:
     """The child of `plan_apart`: a config on stdin, the plan (or ``{"error": message}``) as one JSON line, fitted to
     the parent's ``baseline`` memory."""
     config = Config.from_dict(json.loads(sys.stdin.read()))
+    if config.may_use_nvme:  # its timing runs on the heap the run will have (`zinfjax train` tunes it so)
+        tune_allocator()
     try:
         out = make_plan(config, probe=probe == "1", baseline=int(baseline))
     except UserError as e:

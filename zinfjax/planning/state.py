@@ -114,17 +114,22 @@ def nvme_free(nvme_path: str | None) -> int | None:
 
 def budgets(config: Config, baseline: int | None = None) -> dict:
     """The host budget (and its source), the device memory (None on the CPU backend: it is host memory), NVMe, and
-    what the process holds already (``baseline``: this process's resident memory unless given)."""
+    what the process holds already (``baseline``: this process's resident memory unless given). Placements fit
+    ``host_bytes``, a margin below ``memory_limit``; the engine's regime is judged at ``engine_host_bytes``, the
+    whole ``memory_limit``, which is what its budget divides."""
     if config.memory_limit:  # less the margin the default budget keeps: what the engine counts is not all it holds
         margin = max(MARGIN_MIN, int(MARGIN_FRACTION * config.memory_limit))
         host, source = int(config.memory_limit) - margin, f"memory_limit less a {format_bytes(margin)} margin"
+        engine = int(config.memory_limit)
     else:
         host, source = default_limit()
+        engine = host
     device = jax.devices()[0]
     device_limit = None
     if device.platform != "cpu":
         stats = device.memory_stats() or {}
         device_limit = stats.get("bytes_limit")
     return {"platform": device.platform, "host_bytes": host, "host_source": source, "device_bytes": device_limit,
+            "engine_host_bytes": engine,  # the engine's own budget (`zinfjax.engine.budget.make_budget`): no margin
             "nvme_free_bytes": nvme_free(config.nvme_path),
             "baseline_bytes": rss.current_bytes() if baseline is None else baseline}

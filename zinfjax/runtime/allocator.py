@@ -63,13 +63,26 @@ def tune_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, arenas: int = 1
         >>> tune_allocator(mmap_threshold=1 << 20)   # every block over 1 MiB from its own mmap
         True
     """
+    global _tuned
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    return (bool(mallopt(M_ARENA_MAX, arenas)) and bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold))
+    took = (bool(mallopt(M_ARENA_MAX, arenas)) and bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold))
             and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold)))
+    _tuned = _tuned or took
+    return took
+
+
+_tuned = False
+
+
+def tuned() -> bool:
+    """Whether `tune_allocator` has run in this process. A heap tuned only after threads had allocated has an arena
+    per thread, each keeping its own freed pages: a capped engine keeps none then (`zinfjax.engine.budget.heap_room`;
+    gpt2-large at 5 GiB was killed by its cgroup so)."""
+    return _tuned
 
 
 def trim() -> bool:

@@ -44,8 +44,8 @@ def probe(nvme_path: str, nbytes: int = PROBE_BYTES) -> dict:
 def plan_compute(plan: dict | None) -> float | None:
     """The plan's calibrated compute for the placement it chose, when it timed one (``tiers=auto`` with probes): the
     step's compute alone, without the forward a lean budget recomputes in the backward (the in-memory step's)."""
-    if not plan or not plan.get("probed"):
-        return None  # nominal figures: not a measurement
+    if not plan or not plan.get("probed") or "calibration_layers" not in plan.get("rates", {}):
+        return None  # nominal figures (no probes, or timing runs that did not fit the budget): not a measurement
     chosen = plan["recommended"]["tiers"]
     row = next((row for row in plan["placements"] if row["tiers"] == chosen), None)
     return None if row is None else row.get("compute_alone_s", row["compute_s"])
