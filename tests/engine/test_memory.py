@@ -165,5 +165,6 @@ def test_a_capped_engine_keeps_the_heap_only_when_tuned_first_and_the_budget_has
     try:
         assert engine.capped and engine.budget.keeps_heap
         assert engine.strict_heap is not tuned
+        assert allocator.tuned() is tuned  # the engine's own late lowering does not count as tuned first
     finally:
         engine.close()

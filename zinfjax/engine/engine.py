@@ -177,7 +177,8 @@ class Engine:
         # them back at once (docs/design.md, invariant 2); one with room keeps them, as an uncapped run does.
         self.strict_heap = self.capped and not (self.budget.keeps_heap and allocator.tuned())
         if self.strict_heap:
-            allocator.tune_allocator(mmap_threshold=NVME_MMAP_THRESHOLD, trim_threshold=allocator.GLIBC_TRIM_THRESHOLD)
+            allocator.tune_allocator(mmap_threshold=NVME_MMAP_THRESHOLD, trim_threshold=allocator.GLIBC_TRIM_THRESHOLD,
+                                     late=True)
         self.config = config = config.replace(prefetch_depth=self.budget.prefetch_depth,
                                               host_buffer_bytes=self.budget.host_buffer_bytes)
         self.step_count = int(source.step)

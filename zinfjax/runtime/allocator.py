@@ -55,9 +55,10 @@ GLIBC_TRIM_THRESHOLD = 128 << 10  # glibc's default: what a capped run (zinfjax.
 
 
 def tune_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, arenas: int = 1,
-                   trim_threshold: int = KEEP_FREE) -> bool:
+                   trim_threshold: int = KEEP_FREE, late: bool = False) -> bool:
     """Sets glibc's arena count, a fixed mmap threshold and the free memory the heap keeps (``trim_threshold``);
-    returns whether glibc took them.
+    returns whether glibc took them. ``late``: called once threads have allocated (the engine lowering the threshold
+    for a capped run), which does not count as the heap tuned first (`tuned`).
 
     Example:
         >>> tune_allocator(mmap_threshold=1 << 20)   # every block over 1 MiB from its own mmap
@@ -71,7 +72,7 @@ def tune_allocator(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD, arenas: int = 1
         return False
     took = (bool(mallopt(M_ARENA_MAX, arenas)) and bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold))
             and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold)))
-    _tuned = _tuned or took
+    _tuned = _tuned or (took and not late)
     return took
 
 
