@@ -35,7 +35,7 @@ from zinfjax.engine.budget import (
     minimum_bytes,
 )
 from zinfjax.models import ModelConfig
-from zinfjax.runtime import allocator
+from zinfjax.runtime import allocator, rss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WIDE = dict(d_model=384, max_seq_len=64, n_heads=6, d_ff=1536)
@@ -160,7 +160,8 @@ def test_a_roomy_budget_gives_the_heap_its_room_before_read_ahead_depth_3():
 def test_a_capped_engine_keeps_the_heap_only_when_tuned_first_and_the_budget_has_room(tmp_path, monkeypatch, tuned):
     """A heap tuned after threads had each taken an arena keeps pages in every arena: the engine returns them then."""
     monkeypatch.setattr(allocator, "_tuned", tuned)
-    c = config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path / "nv"), memory_limit="3GiB")
+    limit = rss.current_bytes() + (2 << 30)  # roomy, with room for the heap, above what this test process holds
+    c = config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path / "nv"), memory_limit=limit)
     engine = make_engine(c)
     try:
         assert engine.capped and engine.budget.keeps_heap
