@@ -16,7 +16,8 @@ MODULES = ["zinfjax._util.byte_sizes", "zinfjax._util.choices", "zinfjax._util.m
            "zinfjax.store.pool", "zinfjax.store.layout", "zinfjax.store.threads", "zinfjax.program.memo",
            "zinfjax.planning.recommend", "zinfjax.planning.machine", "zinfjax.planning.scale",
            "zinfjax.planning.machine_plan", "zinfjax.models.products", "tests.support.tolerances",
-           "zinfjax.models.tiled", "zinfjax.models.tiled_nnx", "zinfjax.models.tiling"]
+           "zinfjax.models.tiled", "zinfjax.models.tiled_nnx", "zinfjax.models.tiling", "zinfjax.planning.cost",
+           "zinfjax.planning.calibrate", "zinfjax.planning.probes", "zinfjax.engine.engine_plan"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -72,3 +72,17 @@ def test_deepspeed_configs_offload_to_the_tier_asked():
     cpu = ds_config("cpu", "fp32", 4)
     assert cpu["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
     assert "aio" not in cpu and cpu["bf16"] == {"enabled": False}
+
+
+def test_sub_group_size_reaches_every_deepspeed_run_and_auto_sets_the_budget(tmp_path):
+    """``--sub-group-size`` (DeepSpeed's default of 1e9 swaps GPT-2 large's whole optimizer state in at once) goes
+    into each config; the zinfjax ``auto`` run is the user's tiers=auto, with an nvme_path and the budget."""
+    from zinfjax.benchmarks.versus_deepspeed import deepspeed_configs, parser, zinfjax_overrides
+
+    args = parser().parse_args(["--dir", str(tmp_path), "--sub-group-size", "100000000", "--memory-limit", "14GiB"])
+    assert {c["zero_optimization"]["sub_group_size"] for c in deepspeed_configs(args, "fp32").values()} == {10**8}
+    assert "sub_group_size" not in ds_config("nvme", "fp32", 1, "/x")["zero_optimization"]
+    auto = zinfjax_overrides(args, "auto", "fp32", "log.json")
+    assert f"memory_limit={14 << 30}" in auto and any(o.startswith("nvme_path=") for o in auto)
+    assert not any(o.split("=")[0] in ("params", "optimizer", "gradients", "activations") for o in auto)
+    assert "auto" not in parser().parse_args(["--dir", str(tmp_path)]).zinfjax_runs  # not a default run

@@ -12,10 +12,20 @@ from zinfjax.engine.budget import heap_room
 from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.engine.memory import zero_formula
 from zinfjax.engine.stores import StoreSpec, budget_needs
-from zinfjax.planning.cost import NOMINAL, REGIME_FACTOR, fit, predict, traffic
+from zinfjax.planning.cost import (
+    ENGINE_START_BYTES,
+    NOMINAL,
+    PAGES_RETURNED_FACTOR,
+    compute_factor,
+    engine_choice,
+    fit,
+    predict,
+    recompute_factor,
+    traffic,
+)
 from zinfjax.planning.recommend import REGIMES, PlanError, make_plan
 from zinfjax.planning.report import format_plan
-from zinfjax.planning.state import _specs, parameter_count, state_parts
+from zinfjax.planning.state import _specs, budgets, parameter_count, state_parts
 from zinfjax.runtime import rss
 from zinfjax.sharding import make_mesh
 from zinfjax.trainers.streaming import lm_engine
@@ -124,10 +134,19 @@ def test_probed_plan_measures_disk_copy_and_compute(tmp_path):
     assert r["host_copy_GBps"] is None and all(p["host_copy_s"] == 0 for p in plan["placements"])
     assert any("the host tier copies nothing" in n for n in plan["notes"])
     assert r["nvme_step_GBps"] != NOMINAL["nvme_step_GBps"]  # the NVMe calibration ran and set it
+    assert r["nvme_optimizer_GBps"] > 0 and r["nvme_other_GBps"] > 0  # and the run with only the optimizer there
+    moved = row_of(plan, {"params": "device", "optimizer": "nvme", "gradients": "device", "activations": "device"})
+    opt_only = moved["bytes_per_step"]
+    assert opt_only["optimizer_nvme"] == pytest.approx(opt_only["read_nvme"] + opt_only["write_nvme"])
+    assert moved["nvme_io_s"] == pytest.approx((opt_only["optimizer_nvme"]) / (r["nvme_optimizer_GBps"] * 1e9))
     row = next(p for p in plan["placements"] if set(p["tiers"].values()) == {"nvme"})
     floor = max(row["bytes_per_step"][f"{op}_nvme"] / (r[f"disk_{op}_GBps"] * 1e9) for op in ("read", "write"))
     assert row["nvme_io_s"] > 0 and row["step_s"] >= max(row["compute_s"] + row["nvme_io_s"], floor) * (1 - 1e-9)
     assert not any(n.startswith(".zinfjax-plan") for n in (tmp_path / "nv").iterdir())
+
+
+def row_of(plan: dict, tiers: dict) -> dict:
+    return next(p for p in plan["placements"] if p["tiers"] == tiers)
 
 
 def test_tiers_auto_trains(tmp_path, monkeypatch):
@@ -199,7 +218,7 @@ def test_a_busy_machine_is_noticed_in_the_plan():
 
 def test_the_plan_prices_each_budget_regime(tmp_path):
     """Three budgets the engine may get (`fit`'s regimes): the heap's room on top of the roomy budget, which is on top
-    of the least; a placement is priced at the roomiest that fits, and a lesser regime costs compute."""
+    of the least; each placement is priced at what the engine will choose for it, and recomputing costs compute."""
     config = _config(f"nvme_path={tmp_path / 'nv'}", f"memory_limit={above_this_process(1 << 30)}")
     plan = make_plan(config, probe=False)
     model_config = models.ModelConfig.resolve(config.model)
@@ -211,11 +230,54 @@ def test_the_plan_prices_each_budget_regime(tmp_path):
                          [StoreSpec(k, g, "nvme", like) for k, g, like in stores if k == "acts"], "cpu")[0]
     assert need["least"] < need["roomy"] and need["heap"] - need["roomy"] == heap_room(whole)
     row = next(r for r in plan["placements"] if r["tiers"] == nvme)
-    assert row["regime"] == "heap" and row["roomy"]
-    moved = row["bytes_per_step"]
-    steps = {r: predict(config, nvme, moved, plan["rates"], "cpu", r)["compute_s"] for r in REGIMES}
-    assert steps["heap"] < steps["roomy"] < steps["least"]
-    assert steps["roomy"] == pytest.approx(REGIME_FACTOR["roomy"] * steps["heap"])
+    assert row["regime"] == "heap" and row["roomy"] and row["engine"]["keeps_heap"]
+    assert not row["engine"]["recompute"] and not row["engine"]["returns_pages"]
+    moved, rates = row["bytes_per_step"], plan["rates"]
+    recompute = compute_factor({"recompute": True, "returns_pages": False}, recompute_factor(config, model_config))
+    kept = predict(config, nvme, moved, rates, "cpu")
+    again = predict(config, nvme, moved, rates, "cpu", recompute)
+    returned = predict(config, nvme, moved, rates, "cpu", PAGES_RETURNED_FACTOR, PAGES_RETURNED_FACTOR)
+    assert row["step_s"] == pytest.approx(kept["step_s"])
+    assert again["compute_s"] == pytest.approx(recompute * kept["compute_s"]) and recompute > 1.2
+    assert returned["nvme_io_s"] == pytest.approx(PAGES_RETURNED_FACTOR * kept["nvme_io_s"])
+
+
+def test_the_plan_foresees_the_engines_own_choices(tmp_path):
+    """`engine_choice` (what the plan prices) against real engines built at budgets across its windows: lean or not,
+    recomputing or not, in parts or whole, read-ahead depth and the heap's room all as the engine itself decides."""
+    c = _config("mesh=data:1", "params=nvme", "optimizer=nvme", "activations=nvme", f"nvme_path={tmp_path}")
+    model_config = models.ModelConfig.resolve("gpt2-tiny").replace(n_layers=2, d_model=512, d_ff=2048)
+    stores, cut, residuals = _specs(c, model_config)
+    parts = {**state_parts(c, model_config, stores), "residuals": residuals}
+    tiers = {k: getattr(c, k) for k in TIER_KEYS}
+    machine = budgets(c)
+
+    def choice(limit: int, baseline: int):  # the plan's baseline is the process before its engine starts
+        return engine_choice(c.replace(memory_limit=limit), parts, stores, tiers,
+                             {**machine, "engine_host_bytes": limit, "baseline_bytes": baseline - ENGINE_START_BYTES},
+                             cut)
+
+    base, step = rss.current_bytes(), 8 << 20
+    windows: list[list] = []
+    for limit in range(base + step, base + 160 * step, step):
+        got = choice(limit, base)
+        if got is not None and windows and windows[-1][1] == got:
+            windows[-1][2] = limit
+        elif got is not None:
+            windows.append([limit, got, limit])
+    seen = {(w[1]["lean"], w[1]["recompute"], w[1]["parts"], w[1]["keeps_heap"]) for w in windows}
+    assert len(seen) >= 3, windows
+    for lo, _, hi in windows:
+        limit = (lo + hi) // 2
+        at = c.replace(memory_limit=limit, nvme_path=str(tmp_path / str(limit)))
+        engine = lm_engine(models.build(model_config), at, make_mesh(at.mesh_axes()))
+        try:  # the plan's figures with the memory the engine found held when it began (it measures its own)
+            expected = choice(limit, engine.budget.baseline)
+            got = {"recompute": not engine.saves_residuals, "parts": bool(engine.parts), "lean": engine.budget.lean,
+                   "prefetch_depth": engine.budget.prefetch_depth, "keeps_heap": engine.budget.keeps_heap}
+        finally:
+            engine.close()
+        assert got == {k: expected[k] for k in got}, (limit - base) >> 20
 
 
 def test_the_heap_is_tuned_first_wherever_nvme_may_be_used(tmp_path):

@@ -1,6 +1,7 @@
 """Issue 35, point 3: every step of an NVMe run measured against the disk's floor, and the metrics on TensorBoard.
 
-``io_floor_s`` is the step's NVMe bytes at the disk's probed rates (reads and writes overlapping at best);
+``io_floor_s`` is the step's NVMe bytes at the disk's probed rates (reads and writes overlapping at best, at the
+rate the disk moves both at once);
 ``floor_ratio`` is the step over max(compute alone, io_floor_s) where the plan timed compute alone, and ``io_ratio``
 the step over io_floor_s elsewhere; TensorBoard's own reader sees the scalars.
 """
@@ -33,12 +34,13 @@ def test_every_nvme_step_carries_its_floor(nvme_run):
     log, tmp = nvme_run
     assert json.loads((tmp / "run.json").read_text())["steps"] == log["steps"]
     disk = log["disk_probe"]
-    assert disk["read_GBps"] > 0 and disk["write_GBps"] > 0 and disk["bytes"] == 256 << 20
+    assert disk["read_GBps"] > 0 and disk["write_GBps"] > 0 and disk["mixed_GBps"] > 0 and disk["bytes"] == 256 << 20
     assert log["floor_compute"]["source"] is None  # manual tiers: no plan timed compute alone
     for s in log["steps"]:
         assert s["read_bytes_nvme"] > 0 and s["write_bytes_nvme"] > 0
         io_floor = max(s["read_bytes_nvme"] / (disk["read_GBps"] * 1e9),
-                       s["write_bytes_nvme"] / (disk["write_GBps"] * 1e9))
+                       s["write_bytes_nvme"] / (disk["write_GBps"] * 1e9),
+                       (s["read_bytes_nvme"] + s["write_bytes_nvme"]) / (disk["mixed_GBps"] * 1e9))
         assert s["io_floor_s"] == pytest.approx(io_floor, rel=1e-9) and s["io_floor_s"] > 0
         assert s["io_ratio"] == pytest.approx(s["step_s"] / s["io_floor_s"], rel=1e-9) and "floor_ratio" not in s
     assert f"io_floor={log['steps'][-1]['io_ratio']:.2f}x" in progress_text(log["steps"][-1])
@@ -76,6 +78,18 @@ def test_the_plan_s_compute_is_compute_alone_where_it_timed_it():
     assert fields == {"io_floor_s": pytest.approx(0.5), "floor_ratio": pytest.approx(1.2 / 0.5)}
     fields = floor.fields({"step_s": 1.2, "compute_s": 1.1, "read_bytes_nvme": 2 * 10**9, "write_bytes_nvme": 0})
     assert fields == {"io_floor_s": pytest.approx(1.0), "floor_ratio": pytest.approx(1.2)}
+
+
+
+def test_a_disk_that_shares_its_bandwidth_floors_at_the_sum():
+    """Reading and writing at once at the probed ``mixed_GBps`` (this machine's virtio disk moves about one rate
+    for both): the floor is the bytes together at that rate, where it is slower than each alone."""
+    shared = Floor({"read_GBps": 2.0, "write_GBps": 2.0, "mixed_GBps": 2.0}, compute_alone_s=0.5)
+    step = {"step_s": 3.0, "compute_s": 2.0, "read_bytes_nvme": 2 * 10**9, "write_bytes_nvme": 2 * 10**9}
+    fields = shared.fields(step)
+    assert fields == {"io_floor_s": pytest.approx(2.0), "floor_ratio": pytest.approx(1.5)}
+    duplex = Floor({"read_GBps": 2.0, "write_GBps": 2.0, "mixed_GBps": 4.0}, compute_alone_s=0.5)
+    assert duplex.fields(step)["io_floor_s"] == pytest.approx(1.0)  # each at its own rate, overlapping
 
 
 def test_compute_alone_comes_from_a_plan_only_where_it_timed_it():

@@ -71,6 +71,10 @@ def point(model: str, budget: str, args, tiers: list[str] | None = None) -> dict
             "nvme_GB_per_step": moved / 1e9, "io_cpu_s_per_GB": io_cpu / (moved / 1e9) if moved else None,
             "prefetch_depth": (log.get("budget") or {}).get("prefetch_depth"),  # the in-memory loop has no budget
             "lean": (log.get("budget") or {}).get("lean"), "keeps_heap": (log.get("budget") or {}).get("keeps_heap"),
+            "recompute": log.get("recompute"), "update_parts": log.get("update_parts"),
+            "planned_engine": (log.get("placement") or {}).get("engine"),
+            "cpu_s": {k[len("cpu_s_"):]: statistics.median(s.get(k, 0.0) for s in later)
+                      for k in sorted(last) if k.startswith("cpu_s_")},
             "trainer": "engine" if log.get("budget") else "in-memory",
             "peak_rss_GB": run["peak_rss_GB"], "init_s": run["init_s"], "losses": run["losses"]}
 

@@ -59,7 +59,9 @@ ZINFJAX_TIERS = {  # run -> the tiers it sets; the others keep their default (de
     "nvme_optimizer": {"params": "host", "optimizer": "nvme"},
     "host": {"params": "host", "optimizer": "host", "gradients": "host", "activations": "host"},
     "memory": {},
+    "auto": {},  # tiers=auto: an nvme_path and no tier key; the plan places the state within --memory-limit
 }
+DEFAULT_ZINFJAX_RUNS = ("nvme", "nvme_optimizer", "host", "memory")
 DEEPSPEED_RUNS = ("nvme", "nvme_params_on_disk", "cpu")
 CHILD_ENV_DROP = ("XLA_FLAGS",)  # one CPU device, as a user's process
 
@@ -184,8 +186,10 @@ def zinfjax_overrides(args, run: str, precision: str, log: str) -> list[str]:
     """The ``--set`` overrides of one zinfjax run; every other key keeps its default."""
     values = {"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
               **ZINFJAX_TIERS[run], "precision": precision, "log": log}
-    if "nvme" in ZINFJAX_TIERS[run].values():
+    if "nvme" in ZINFJAX_TIERS[run].values() or run == "auto":
         values["nvme_path"] = nvme_dir(args)
+    if run == "auto" and args.memory_limit:
+        values["memory_limit"] = args.memory_limit
     return [f"{k}={v}" for k, v in values.items()]
 
 
@@ -228,10 +232,10 @@ def run_zinfjax(args, run: str, precision: str) -> dict:
 def deepspeed_configs(args, precision: str) -> dict[str, dict]:
     """The DeepSpeed JSON config of each DeepSpeed run at this precision."""
     return {
-        "nvme": ds_config("nvme", precision, args.batch_size, nvme_dir(args)),
+        "nvme": ds_config("nvme", precision, args.batch_size, nvme_dir(args), sub_group_size=args.sub_group_size),
         "nvme_params_on_disk": ds_config("nvme", precision, args.batch_size, nvme_dir(args),
-                                         max_in_cpu=args.max_in_cpu),
-        "cpu": ds_config("cpu", precision, args.batch_size),
+                                         max_in_cpu=args.max_in_cpu, sub_group_size=args.sub_group_size),
+        "cpu": ds_config("cpu", precision, args.batch_size, sub_group_size=args.sub_group_size),
     }
 
 
@@ -448,8 +452,9 @@ def parser() -> argparse.ArgumentParser:
                    "offloaded state (DIR/nvme), the raw disk test and the logs")
     p.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
     p.add_argument("--only", choices=["zinfjax", "deepspeed"], help="run one side only")
-    p.add_argument("--zinfjax-runs", type=run_list(tuple(ZINFJAX_TIERS)), default=tuple(ZINFJAX_TIERS),
-                   help="zinfjax runs, comma separated (default nvme,nvme_optimizer,host,memory)")
+    p.add_argument("--zinfjax-runs", type=run_list(tuple(ZINFJAX_TIERS)), default=DEFAULT_ZINFJAX_RUNS,
+                   help="zinfjax runs, comma separated (default nvme,nvme_optimizer,host,memory; auto: tiers=auto "
+                   "within --memory-limit)")
     p.add_argument("--deepspeed-runs", type=run_list(DEEPSPEED_RUNS), default=DEEPSPEED_RUNS,
                    help="DeepSpeed runs, comma separated (default nvme,nvme_params_on_disk,cpu)")
     p.add_argument("--steps", type=int, default=8, help="steps per run (default 8: with every tier on host, "
@@ -461,6 +466,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--max-in-cpu", type=int, default=10**6, help="DeepSpeed offload_param.max_in_cpu of the "
                    "nvme_params_on_disk run, in elements (default 1e6: GPT-2 small has 124M)")
+    p.add_argument("--sub-group-size", type=int, help="DeepSpeed zero_optimization.sub_group_size of every run, in "
+                   "elements (default: DeepSpeed's 1e9, which swaps the whole optimizer state of a model under 1e9 "
+                   "parameters into RAM at once; 1e8 lets GPT-2 large train on NVMe)")
     p.add_argument("--construct", choices=CONSTRUCTIONS, default="zero-init", help="how DeepSpeed's model is "
                    "built: inside deepspeed.zero.Init (default) or plainly in RAM")
     p.add_argument("--memory-limit", type=parse_size, help="memory cgroup limit of every run (default: none; "

@@ -71,7 +71,7 @@ def plan_engine(inputs: PlanInputs) -> EnginePlan:
 
 def plan_memory(inputs: PlanInputs) -> EnginePlan:
     """The update parts, the memory budget's plan, its needs (`budget_needs`), and whether the
-    backward keeps the forward's residuals instead of recomputing it (`_plan_recompute`).
+    backward keeps the forward's residuals instead of recomputing it (`choose_budget`).
 
     Layers are updated whole while the budget holds that with room (a roomy budget): fewer
     operations cost less CPU time. A lean or refused budget takes the parts (`zinfjax.engine.parts`),
@@ -80,43 +80,63 @@ def plan_memory(inputs: PlanInputs) -> EnginePlan:
     config, specs, acts, platform = inputs.config, inputs.specs, inputs.acts, inputs.platform
     parts = update_parts(inputs.program, inputs.update_plan, specs, inputs.spools_gradients, config.sub_group_size)
     alone = written_alone(inputs.program, inputs.update_plan, inputs.spools_gradients, platform)
+    whole, kept = None, parts
     if parts and not config.sub_group_size:
-        whole = budget_needs(specs, acts, platform, trainable_parts(inputs.program, inputs.update_plan,
-                                                                    inputs.spools_gradients), alone)
+        kept = trainable_parts(inputs.program, inputs.update_plan, inputs.spools_gradients)
+        whole = budget_needs(specs, acts, platform, kept, alone)
+    needs = budget_needs(specs, acts, platform, parts, alone)
+    plan, saves, chosen = choose_budget(config, platform, inputs.residual_bytes, needs, whole)
+    return EnginePlan(kept if chosen is whole else parts, plan, chosen, saves)
+
+
+def choose_budget(config: Config, platform: str, residuals: int, needs: tuple, whole: tuple | None = None,
+                  baseline: int | None = None) -> tuple[Budget, bool, tuple]:
+    """The budget's plan, whether the residuals are kept, and the needs it was made for (`plan_memory`).
+
+    ``needs``: the ``(read, write, resident)`` of `budget_needs` with the update in parts (or whole where no group
+    is cut); ``whole``: those of whole layers where some group could be cut, taken while their budget is roomy.
+    ``baseline``: what the process holds already (default: its resident memory now). `zinfjax.planning` asks the
+    same of a placement before anything is built.
+
+    Example:
+        >>> plan, saves, chosen = choose_budget(Config(memory_limit="2GiB"), "cpu", 50 << 20,
+        ...                                     (90 << 20, 85 << 20, 0), baseline=300 << 20)
+        >>> plan.prefetch_depth, saves
+        (3, True)
+    """
+    if whole is not None:
         try:
-            plan, saves = _plan_recompute(inputs, *whole)
+            plan, saves = recompute_budget(config, platform, residuals, *whole, baseline=baseline)
         except MemoryBudgetError:
             plan = None
         if plan is not None and not plan.lean:  # whole layers; a layer with frozen leaves updates its others alone
-            kept = trainable_parts(inputs.program, inputs.update_plan, inputs.spools_gradients)
-            return EnginePlan(kept, plan, whole, saves)
-    needs = budget_needs(specs, acts, platform, parts, alone)
-    plan, saves = _plan_recompute(inputs, *needs)
-    return EnginePlan(parts, plan, needs, saves)
+            return plan, saves, whole
+    plan, saves = recompute_budget(config, platform, residuals, *needs, baseline=baseline)
+    return plan, saves, needs
 
 
-def _plan_recompute(inputs: PlanInputs, read: int, write: int, resident: int) -> tuple[Budget, bool]:
-    """The budget's plan, and whether the residuals are kept (``recompute``; docs/engine.md, "Recomputation").
+def recompute_budget(config: Config, platform: str, residuals: int, read: int, write: int, resident: int,
+                     baseline: int | None = None) -> tuple[Budget, bool]:
+    """The budget's plan, and whether the ``residuals`` are kept (``recompute``; docs/engine.md, "Recomputation").
 
     ``auto`` keeps them when the budget holds them as well and stays roomy: on the CPU backend they
     count against the host budget; on an accelerator they must fit in half its free memory.
     """
-    config, residuals = inputs.config, inputs.residual_bytes
-    mode, cpu = config.recompute, inputs.platform == "cpu"
+    mode, cpu = config.recompute, platform == "cpu"
     if mode == "always" or (mode == "auto" and not cpu and not fits_device(residuals)):
-        return make_budget(config, read, write, resident), False
+        return make_budget(config, read, write, resident, baseline), False
     if not cpu:
-        return make_budget(config, read, write, resident), True
+        return make_budget(config, read, write, resident, baseline), True
     try:
-        plan = make_budget(config, read, write, resident + residuals)
+        plan = make_budget(config, read, write, resident + residuals, baseline)
     except MemoryBudgetError as e:
         if mode == "never":
             raise MemoryBudgetError(f"{e}; recompute=never keeps {format_bytes(residuals)} of "
                                     "residuals (recompute=auto or always holds none)") from None
-        return make_budget(config, read, write, resident), False
+        return make_budget(config, read, write, resident, baseline), False
     if mode == "never" or not plan.lean:
         return plan, True
-    return make_budget(config, read, write, resident), False
+    return make_budget(config, read, write, resident, baseline), False
 
 
 def plan_reuse(inputs: PlanInputs, memory: EnginePlan) -> EnginePlan:

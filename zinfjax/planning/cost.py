@@ -7,8 +7,16 @@ import itertools
 
 from zinfjax._util.choices import TIER_KEYS, TIERS
 from zinfjax.config import Config
-from zinfjax.engine.budget import COMPILE_RESERVE, LIVE_BASE, LIVE_PER_DEPTH, heap_room, minimum_bytes
+from zinfjax.engine.budget import (
+    COMPILE_RESERVE,
+    LIVE_BASE,
+    LIVE_PER_DEPTH,
+    MemoryBudgetError,
+    heap_room,
+    minimum_bytes,
+)
 from zinfjax.engine.stores import StoreSpec, budget_needs
+from zinfjax.planning.probes import disk_seconds
 from zinfjax.planning.state import KIND_TIER, device_bytes
 
 NOMINAL = {"disk_read_GBps": 1.0, "disk_write_GBps": 1.0, "host_copy_GBps": 4.0, "nvme_step_GBps": 1.0,
@@ -84,6 +92,7 @@ def traffic(stores, tiers: dict[str, str], factors: dict | None) -> dict[str, fl
     it again.
     """
     out = {f"{op}_{t}": 0.0 for t in TIERS for op in ("read", "write")}
+    out["optimizer_nvme"] = 0.0  # of read_nvme and write_nvme, the optimizer's master and state (`predict`)
     factors = factors or {}
     for kind, group, like in stores:
         spec = StoreSpec(kind, group, tiers[KIND_TIER[kind]], like)
@@ -92,39 +101,123 @@ def traffic(stores, tiers: dict[str, str], factors: dict | None) -> dict[str, fl
             r, w = factors.get(tier, factors.get("device", {})).get(f"{kind}|{group}") or NOMINAL_TRAFFIC[kind]
             out[f"read_{tier}"] += r * n
             out[f"write_{tier}"] += w * n
+            if tier == "nvme" and kind in ("master", "opt"):
+                out["optimizer_nvme"] += (r + w) * n
     return out
 
 
-# What each budget regime (`fit`'s ``regime``) costs compute on the CPU backend, against compute alone:
-# - least (lean): the backward recomputes each layer's forward (a third more), layers update in parts, one
-#   operation is read ahead. Measured on gpt2-large fp32 at memory_limit=5GiB (docs/BENCHMARKS.md, "Memory
-#   first"): the lean placement's step less its NVMe time was 1.55x compute alone, the roomy placement's 0.96x.
-# - roomy, without the heap's room: freed pages go back to the system and are faulted in again each layer.
-#   gpt2-large fp32, the steps of the sweep in docs/BENCHMARKS.md ("Memory first") that ran so, against their
-#   predictions at this factor: 1.05x at 5 GiB, 0.97x at 7 GiB; and one placement at 11 GiB, 12.15 s a step
-#   against 10.37 s keeping its pages (docs/engine.md, "Memory"), predicted at 1.08x.
-# - heap: the roomy budget keeping its freed pages, as the plan's timing runs do.
-REGIME_FACTOR = {"least": 1.5, "roomy": 1.3, "heap": 1.0}
+# What a training process holds more when its engine measures its baseline than when the plan sized it: the model
+# built, the program traced, the data opened. gpt2-large and llama-1b under tiers=auto: 205 MiB at the plan, 253-254
+# MiB at the engine (the log's placement.baseline_bytes against budget.baseline). Without it the plan foresaw the
+# heap kept at depth 2 where the engine, 49 MiB short of that, returned its pages at depth 3.
+ENGINE_START_BYTES = 64 << 20
+
+
+def engine_choice(config: Config, parts: dict, stores, tiers: dict[str, str], machine: dict,
+                  cut: dict | None = None) -> dict | None:
+    """What the engine's own plan (`zinfjax.engine.engine_plan.choose_budget`) makes of ``tiers`` at the budget it
+    divides (``engine_host_bytes``: ``memory_limit`` itself), from the plan's figures and what the process will hold
+    when the engine starts (`ENGINE_START_BYTES` above ``baseline_bytes``); None where it would refuse.
+
+    ``recompute``: the backward runs the forward again; ``parts``: layers update in parts; ``lean``: one slice
+    staged, one operation read ahead; ``keeps_heap``: room for the heap's freed pages; ``returns_pages``: a
+    capped run on NVMe without that room, which gives them back and faults them in again (docs/engine.md, "Memory").
+    """
+    from zinfjax.engine.engine_plan import choose_budget
+
+    platform = machine["platform"]
+    specs = [StoreSpec(kind, group, tiers[KIND_TIER[kind]], like) for kind, group, like in stores]
+    state, acts = [s for s in specs if s.kind != "acts"], [s for s in specs if s.kind == "acts"]
+    needs = budget_needs(state, acts, platform, cut)
+    whole = budget_needs(state, acts, platform) if cut else None
+    limit = machine.get("engine_host_bytes", machine["host_bytes"])
+    baseline = machine["baseline_bytes"] + ENGINE_START_BYTES
+    try:
+        plan, saves, chosen = choose_budget(config.replace(memory_limit=limit), platform, parts.get("residuals", 0),
+                                            needs, whole, baseline=baseline)
+    except MemoryBudgetError:
+        return None
+    capped = config.memory_limit is not None or machine["host_source"].startswith("the memory cgroup")
+    on_nvme = any(s.tier == "nvme" or "nvme" in s.tiers for s in specs)
+    return {"recompute": not saves, "parts": bool(cut) and chosen is needs, "lean": plan.lean,
+            "prefetch_depth": plan.prefetch_depth, "keeps_heap": plan.keeps_heap,
+            "returns_pages": capped and on_nvme and not plan.keeps_heap}
+
+
+# A heap that gives its freed pages back faults every layer's buffers in again: the kernel zeroing them took a fifth
+# of gpt2-large's samples at 11 GiB, where the same placement stepped 12.15 s returning them against 10.37 s keeping
+# them (docs/engine.md, "Memory"), 1.17x; llama-1b at 12 and 16 GiB stepped 1.17-1.18x their predictions with the
+# pages kept (docs/BENCHMARKS.md, "Memory first"). It slows compute and the I/O threads alike.
+PAGES_RETURNED_FACTOR = 1.18
+
+
+def recompute_factor(config: Config, model_config) -> float:
+    """What the forward run again in the backward costs, against a step that keeps its residuals: the layers'
+    share of a step's FLOPs (`zinfjax.planning.calibrate.layer_flops`), a third more of it.
+
+    Example:
+        >>> from zinfjax.models import ModelConfig
+        >>> round(recompute_factor(Config(batch_size=1, seq_len=256), ModelConfig.resolve("gpt2-large")), 2)
+        1.31
+    """
+    from zinfjax.planning.calibrate import layer_flops
+
+    per_layer, rest = layer_flops(config, model_config)  # each with the forward counted twice
+    layers = model_config.n_layers * per_layer * 3 / 4
+    return 1 + layers / 3 / (layers + rest * 3 / 4)
+
+
+def compute_factor(choice: dict | None, recompute: float) -> float:
+    """The factor the engine's choices (`engine_choice`) put on compute alone: ``recompute`` (`recompute_factor`)
+    where the forward runs again, `PAGES_RETURNED_FACTOR` where freed pages go back.
+
+    Example:
+        >>> compute_factor({"recompute": True, "returns_pages": False}, 1.3)
+        1.3
+        >>> compute_factor(None, 1.3)
+        1.0
+    """
+    if choice is None:
+        return 1.0
+    return (recompute if choice["recompute"] else 1.0) * (PAGES_RETURNED_FACTOR if choice["returns_pages"] else 1.0)
+
+
+def nvme_added_s(moved: dict[str, float], rates: dict) -> float:
+    """What a step's NVMe bytes add to it on the CPU backend: the optimizer's at the rate calibrated with only it on
+    NVMe (its traffic overlaps the layers' compute), the rest at the rate the all-NVMe run added beyond that
+    (`zinfjax.planning.calibrate.kind_rates`); every byte at ``nvme_step_GBps`` where those were not measured.
+
+    Example:
+        >>> moved = {"read_nvme": 2e9, "write_nvme": 2e9, "optimizer_nvme": 2e9}
+        >>> nvme_added_s(moved, {"nvme_step_GBps": 2.0}), nvme_added_s(moved, {"nvme_step_GBps": 2.0,
+        ...     "nvme_optimizer_GBps": 4.0, "nvme_other_GBps": 1.0})
+        (2.0, 2.5)
+    """
+    total = moved["read_nvme"] + moved["write_nvme"]
+    if "nvme_optimizer_GBps" not in rates:
+        return total / (rates["nvme_step_GBps"] * 1e9)
+    opt = min(moved.get("optimizer_nvme", 0.0), total)
+    return opt / (rates["nvme_optimizer_GBps"] * 1e9) + (total - opt) / (rates["nvme_other_GBps"] * 1e9)
 
 
 def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rates: dict, platform: str,
-            regime: str = "heap") -> dict:
+            factor: float = 1.0, pages: float = 1.0) -> dict:
     """The cost model: the step's compute, host copies and NVMe I/O, and the step they make.
 
     ``nvme_io_s`` is what the NVMe tier adds to the step: on the CPU backend at the rate the engine
-    shows (`added_rate`), never less than the disk's own time; elsewhere the disk's time. ``regime``: the engine's
-    budget (`fit`); below ``heap`` its compute costs `REGIME_FACTOR` times more.
+    shows (`added_rate`), never less than the disk's own time; elsewhere the disk's time. ``factor``: what the
+    engine's choices put on compute alone (`compute_factor`); ``pages``: on the host copies and NVMe I/O
+    (`PAGES_RETURNED_FACTOR` where freed pages go back).
     """
     alone = rates["reference_s"] if uses_reference(config, tiers) else rates["engine_s"]
-    compute = alone * REGIME_FACTOR[regime]
+    compute = alone * factor
     copy_bw = rates["host_copy_GBps"]  # None: the host tier is device memory and copies nothing
-    host = (moved["read_host"] + moved["write_host"]) / (copy_bw * 1e9) if copy_bw else 0.0
-    reading = moved["read_nvme"] / (rates["disk_read_GBps"] * 1e9)
-    writing = moved["write_nvme"] / (rates["disk_write_GBps"] * 1e9)
+    host = pages * (moved["read_host"] + moved["write_host"]) / (copy_bw * 1e9) if copy_bw else 0.0
     if platform == "cpu":  # copies and the I/O threads take the cores compute uses
-        nvme = (moved["read_nvme"] + moved["write_nvme"]) / (rates["nvme_step_GBps"] * 1e9)
-        step = max(compute + host + nvme, reading, writing)  # the disk reads and writes at once at best
+        nvme = pages * nvme_added_s(moved, rates)
+        step = max(compute + host + nvme, disk_seconds(moved["read_nvme"], moved["write_nvme"], rates))
     else:
-        nvme = reading + writing
+        nvme = moved["read_nvme"] / (rates["disk_read_GBps"] * 1e9) + moved["write_nvme"] / (rates["disk_write_GBps"]
+                                                                                              * 1e9)
         step = max(compute, host, nvme)
     return {"compute_alone_s": alone, "compute_s": compute, "host_copy_s": host, "nvme_io_s": nvme, "step_s": step}

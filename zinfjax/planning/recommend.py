@@ -28,15 +28,28 @@ from zinfjax.config import Config
 from zinfjax.engine.budget import MemoryBudgetError
 from zinfjax.errors import UserError
 from zinfjax.planning.calibrate import (
+    OPTIMIZER_ON_NVME,
     added_rate,
     calibrate_engine,
     calibrate_nvme,
     calibrate_reference,
     calibration_layers,
+    kind_rates,
     nominal_compute,
     scale_to_model,
 )
-from zinfjax.planning.cost import NOMINAL, fit, placements, predict, traffic, uses_reference
+from zinfjax.planning.cost import (
+    NOMINAL,
+    PAGES_RETURNED_FACTOR,
+    compute_factor,
+    engine_choice,
+    fit,
+    placements,
+    predict,
+    recompute_factor,
+    traffic,
+    uses_reference,
+)
 from zinfjax.planning.fill import fill_memory
 from zinfjax.planning.probes import MiB, probe_disk, probe_host_copy
 from zinfjax.planning.state import _specs, budgets, state_parts
@@ -111,8 +124,9 @@ def make_plan(config: Config, probe: bool = True, baseline: int | None = None) -
             notes.append(rates.pop(note))
     if busy_note(rates):
         notes.append(busy_note(rates))
+    recompute = recompute_factor(config, model_config)
     rows = [_row(config, tiers, f, traffic(stores, tiers, factors), rates, machine,
-                 regime_of(config, parts, stores, tiers, machine, cut)) for tiers, f in fits]
+                 engine_choice(config, parts, stores, tiers, machine, cut), recompute) for tiers, f in fits]
     rows.sort(key=lambda r: (not r["fits"], round(r["step_s"], 4), offloaded(r["tiers"])))
     best = recommend(rows)
     if machine["platform"] == "cpu":
@@ -123,24 +137,36 @@ def make_plan(config: Config, probe: bool = True, baseline: int | None = None) -
             "precision": config.precision, "stage": config.stage, "mesh": config.mesh, "parts": parts,
             "machine": machine, "rates": rates, "probed": probe, "notes": notes,
             "tiles": model_config.tiles,
-            "recommended": {"tiers": best["tiers"], "step_s": best["step_s"], "regime": best["regime"]},
+            "recommended": {"tiers": best["tiers"], "step_s": best["step_s"], "regime": best["regime"],
+                            "engine": best["engine"]},
             "placements": rows}
 
 
-def regime_of(config: Config, parts: dict, stores, tiers: dict, machine: dict, cut: dict | None) -> str:
-    """The engine's budget regime for ``tiers`` (`zinfjax.planning.cost.fit`): the roomiest that fits the budget the
-    engine will divide (``engine_host_bytes``: ``memory_limit`` itself, where placements fit it less a margin)."""
-    engine = {**machine, "host_bytes": machine.get("engine_host_bytes", machine["host_bytes"])}
-    return next((r for r in REGIMES[:-1] if fit(config, parts, stores, tiers, engine, cut, r)["fits"]), "least")
+def regime_of(choice: dict | None) -> str:
+    """The budget regime (`zinfjax.planning.cost.fit`) of the engine's choice for a placement
+    (`zinfjax.planning.cost.engine_choice`): ``least`` where lean or refused, ``roomy`` where its freed pages go
+    back, else ``heap``.
+
+    Example:
+        >>> regime_of({"lean": False, "returns_pages": True}), regime_of(None)
+        ('roomy', 'least')
+    """
+    if choice is None or choice["lean"]:
+        return "least"
+    return "roomy" if choice["returns_pages"] else "heap"
 
 
-def _row(config: Config, tiers: dict, f: dict, moved: dict, rates: dict, machine: dict, regime: str) -> dict:
-    """One placement's row: its fit, bytes per step and predicted step; on the engine's path on the CPU backend, a
-    budget below the roomiest costs more compute (`zinfjax.planning.cost.predict`)."""
-    priced = regime if machine["platform"] == "cpu" and not uses_reference(config, tiers) else "heap"
+def _row(config: Config, tiers: dict, f: dict, moved: dict, rates: dict, machine: dict, choice: dict | None,
+         recompute: float) -> dict:
+    """One placement's row: its fit, bytes per step, the engine's choice for it (`engine_choice`) and predicted step;
+    on the engine's path on the CPU backend, what the engine chooses costs compute (`zinfjax.planning.cost.predict`)."""
+    engine = machine["platform"] == "cpu" and not uses_reference(config, tiers)
+    factor = compute_factor(choice, recompute) if engine else 1.0
+    pages = PAGES_RETURNED_FACTOR if engine and choice and choice["returns_pages"] else 1.0
+    regime = regime_of(choice)
     return {"tiers": tiers, "fits": f["fits"], "need": f["need"], "short": f["short"], "bytes_per_step": moved,
-            "roomy": regime != "least", "regime": regime,
-            **predict(config, tiers, moved, rates, machine["platform"], priced)}
+            "roomy": regime != "least", "regime": regime, "engine": choice,
+            **predict(config, tiers, moved, rates, machine["platform"], factor, pages)}
 
 
 def plan_tiles(config: Config, model_config):
@@ -219,7 +245,10 @@ def _calibrate(config: Config, model_config, layers: int, rates: dict, copies: b
         factors["nvme"] = on_nvme["traffic"]
         disk = 2 / (1 / rates["disk_read_GBps"] + 1 / rates["disk_write_GBps"])
         rates["nvme_step_GBps"] = added_rate(calibration, on_nvme, disk)
+        optimizer = calibrate_nvme(config, model_config, calibration["layers"], OPTIMIZER_ON_NVME)
+        rates.update(kind_rates(calibration, on_nvme, optimizer, disk))
     rates["engine_s"] = scale_to_model(calibration["step_s"], config, model_config, calibration["layers"])
+    rates["calibration_slowed"] = calibration["slowed"]
     rates["calibration_layers"] = calibration["layers"]
     if reference:
         rates["reference_s"] = scale_to_model(calibrate_reference(config, model_config, layers), config,

@@ -1,11 +1,15 @@
 """The disk's floor under each step: the NVMe bytes it moved at the disk's probed rates, and the step over it.
 
 A run whose state uses the nvme tier probes the disk once, before its first step (`probe_disk`: 256 MiB
-written then read with O_DIRECT under its ``nvme_path``), and every step's log entry gains:
+written then read with O_DIRECT under its ``nvme_path``, then read again while as much is written), and every
+step's log entry gains:
 
-- ``io_floor_s``: ``max(read_bytes_nvme / disk_read, write_bytes_nvme / disk_write)``: the least time
-  the disk needs for the step's NVMe bytes, its reads and writes overlapping at best (the engine reads
-  ahead while it writes behind), as `zinfjax.planning.cost.predict`'s floor on the CPU backend;
+- ``io_floor_s``: ``max(read_bytes_nvme / disk_read, write_bytes_nvme / disk_write, (read_bytes_nvme +
+  write_bytes_nvme) / disk_mixed)``: the least time the disk needs for the step's NVMe bytes, its reads and
+  writes overlapping at best (the engine reads ahead while it writes behind), at the rate the disk moves both
+  at once (`zinfjax.planning.probes.disk_seconds`; a disk that shares its bandwidth between them, as this
+  project's virtio disk does, takes about their sum), as `zinfjax.planning.cost.predict`'s floor on the CPU
+  backend;
 - ``floor_ratio``: ``step_s / max(compute alone, io_floor_s)``: 1.0 is the step at its floor, where compute
   alone is known: the plan's calibrated compute (a timed step with every tier on device, scaled to the model)
   when ``tiers=auto`` probed;
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import time
 
-from zinfjax.planning.probes import PROBE_BYTES, probe_disk
+from zinfjax.planning.probes import PROBE_BYTES, disk_seconds, probe_disk
 
 
 def probe(nvme_path: str, nbytes: int = PROBE_BYTES) -> dict:
@@ -37,8 +41,8 @@ def probe(nvme_path: str, nbytes: int = PROBE_BYTES) -> dict:
         return {"note": f"no O_DIRECT probe under {nvme_path} ({e.strerror or e}): io_floor_s is not logged"}
     if "disk_note" in rates:
         return {"note": rates["disk_note"].replace("nominal disk figures", "io_floor_s is not logged")}
-    return {"read_GBps": rates["disk_read_GBps"], "write_GBps": rates["disk_write_GBps"], "bytes": nbytes,
-            "seconds": time.perf_counter() - t0}
+    return {"read_GBps": rates["disk_read_GBps"], "write_GBps": rates["disk_write_GBps"],
+            "mixed_GBps": rates.get("disk_mixed_GBps"), "bytes": nbytes, "seconds": time.perf_counter() - t0}
 
 
 def plan_compute(plan: dict | None) -> float | None:
@@ -81,9 +85,9 @@ class Floor:
         """``io_floor_s`` and ``floor_ratio`` of a step's metrics; nothing without disk rates."""
         if not self.ok:
             return {}
-        reading = record.get("read_bytes_nvme", 0) / (self.disk["read_GBps"] * 1e9)
-        writing = record.get("write_bytes_nvme", 0) / (self.disk["write_GBps"] * 1e9)
-        io_floor = max(reading, writing)
+        rates = {"disk_read_GBps": self.disk["read_GBps"], "disk_write_GBps": self.disk["write_GBps"],
+                 "disk_mixed_GBps": self.disk.get("mixed_GBps")}
+        io_floor = disk_seconds(record.get("read_bytes_nvme", 0), record.get("write_bytes_nvme", 0), rates)
         out = {"io_floor_s": io_floor}
         if self.compute_alone_s is not None:
             out["floor_ratio"] = record["step_s"] / max(self.compute_alone_s, io_floor)

@@ -69,7 +69,9 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     log["tiles"] = model.config.tiles  # the tiles each block's MLP and attention ran in (tiles=auto decides)
     if plan is not None:  # tiers=auto: the placement the plan chose, and the step it predicted
         log["placement"] = {"tiers": plan["recommended"]["tiers"], "predicted_step_s": plan["recommended"]["step_s"],
-                            "regime": plan["recommended"].get("regime"),
+                            "regime": plan["recommended"].get("regime"), "engine": plan["recommended"].get("engine"),
+                            "compute_alone_s": plan["rates"].get("engine_s"),
+                            "baseline_bytes": plan["machine"].get("baseline_bytes"),  # the engine measures its own
                             "other_cpu_cores": plan["rates"].get("other_cpu_cores")}
     if trainer.engine is not None:
         log.update(engine_facts(trainer.engine))
