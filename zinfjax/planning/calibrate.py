@@ -55,10 +55,8 @@ def _batch(config: Config, vocab: int):
     return np.random.default_rng(0).integers(0, vocab, (config.batch_size, config.seq_len + 1)).astype(np.int32)
 
 
-def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAYERS, tier: str = "device",
-                     tiers: dict | None = None) -> dict:
-    """Times the engine with every tier on ``tier`` (or as ``tiers`` gives them) on a few layers; counts each store's
-    reads and writes per byte, and the bytes each kind moved (``kind_bytes``).
+def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAYERS, tier: str = "device") -> dict:
+    """Times the engine with every tier on ``tier`` on a few layers; counts each store's reads and writes per byte.
 
     ``timed_s`` is the median step as timed; ``step_s`` that over ``slowed``, the factor the engine's own choices
     put on it (`zinfjax.planning.cost.compute_factor`) where a small budget made it recompute or give back its pages.
@@ -67,7 +65,7 @@ def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAY
     from zinfjax.sharding import make_mesh
     from zinfjax.trainers.streaming import lm_engine
 
-    c = config.replace(**(tiers or dict.fromkeys(TIER_KEYS, tier)), tiers="manual", save_dir=None, resume=False,
+    c = config.replace(**dict.fromkeys(TIER_KEYS, tier), tiers="manual", save_dir=None, resume=False,
                        memory_limit=None)
     allocator.trim()  # the budget counts what the process holds: not the pages its heap kept from the last run
     m = calibration_model(model_config, layers)
@@ -91,14 +89,11 @@ def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAY
                                 recompute_factor(c, m))
     finally:
         engine.close()
-    kinds: dict[str, float] = {}
-    for k, g, s in named:
-        kinds[k] = kinds.get(k, 0.0) + (s.stats.bytes_read - before[(k, g)][0] + s.stats.bytes_written
-                                        - before[(k, g)][1]) / CALIBRATION_STEPS
-    moved = sum(kinds.values())
+    moved = sum(s.stats.bytes_read - before[(k, g)][0] + s.stats.bytes_written - before[(k, g)][1]
+                for k, g, s in named) / CALIBRATION_STEPS
     timed = statistics.median(times)
     return {"step_s": timed / slowed, "timed_s": timed, "slowed": slowed, "layers": m.n_layers, "traffic": traffic,
-            "bytes_per_step": moved, "kind_bytes": kinds}
+            "bytes_per_step": moved}
 
 
 def added_rate(device: dict, tier: dict, floor: float) -> float:
@@ -118,41 +113,14 @@ def added_rate(device: dict, tier: dict, floor: float) -> float:
     return tier["bytes_per_step"] / extra / 1e9
 
 
-OPTIMIZER_ON_NVME = {"params": "device", "optimizer": "nvme", "gradients": "device", "activations": "device"}
-
-
-def calibrate_nvme(config: Config, model_config, layers: int, tiers: dict | None = None) -> dict:
-    """`calibrate_engine` with every tier on nvme (or as ``tiers`` gives them), in a scratch directory under
-    ``nvme_path`` removed after."""
+def calibrate_nvme(config: Config, model_config, layers: int) -> dict:
+    """`calibrate_engine` with every tier on nvme, in a scratch directory under ``nvme_path`` removed after."""
     os.makedirs(config.nvme_path, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=".zinfjax-plan-", dir=config.nvme_path)
     try:
-        return calibrate_engine(config.replace(nvme_path=scratch), model_config, layers, tier="nvme", tiers=tiers)
+        return calibrate_engine(config.replace(nvme_path=scratch), model_config, layers, tier="nvme")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-OPTIMIZER_KINDS = ("master", "opt")  # what the update reads and writes: its traffic overlaps the layers' compute
-
-
-def kind_rates(device: dict, every: dict, optimizer: dict, floor: float) -> dict:
-    """GB/s the NVMe tier adds to a step per byte, by kind: the optimizer's (its master and state, from a run with
-    only the optimizer on NVMe) and the rest's (parameters, gradients, activations: what the all-NVMe run added
-    beyond the optimizer's part). The update's reads and writes overlap the layers' compute; a parameter read
-    before a layer's forward does not, so the two differ (`added_rate` on each; ``floor`` as there).
-
-    Example:
-        >>> rates = kind_rates({"step_s": 1.0}, {"step_s": 2.25, "bytes_per_step": 3e9},
-        ...                    {"step_s": 1.25, "bytes_per_step": 1e9}, 1.0)
-        >>> rates["nvme_optimizer_GBps"], rates["nvme_other_GBps"]
-        (4.0, 2.0)
-    """
-    opt = added_rate(device, optimizer, floor)
-    kinds = every.get("kind_bytes")  # the optimizer's bytes in the all-NVMe run itself, where counted
-    opt_bytes = sum(kinds.get(k, 0.0) for k in OPTIMIZER_KINDS) if kinds else optimizer["bytes_per_step"]
-    rest_bytes = max(every["bytes_per_step"] - opt_bytes, 0.0)
-    rest = {"step_s": every["step_s"] - opt_bytes / (opt * 1e9), "bytes_per_step": rest_bytes}
-    return {"nvme_optimizer_GBps": opt, "nvme_other_GBps": added_rate(device, rest, floor)}
 
 
 def calibrate_reference(config: Config, model_config, layers: int = CALIBRATION_LAYERS) -> float:

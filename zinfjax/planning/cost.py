@@ -92,7 +92,6 @@ def traffic(stores, tiers: dict[str, str], factors: dict | None) -> dict[str, fl
     it again.
     """
     out = {f"{op}_{t}": 0.0 for t in TIERS for op in ("read", "write")}
-    out["optimizer_nvme"] = 0.0  # of read_nvme and write_nvme, the optimizer's master and state (`predict`)
     factors = factors or {}
     for kind, group, like in stores:
         spec = StoreSpec(kind, group, tiers[KIND_TIER[kind]], like)
@@ -101,8 +100,6 @@ def traffic(stores, tiers: dict[str, str], factors: dict | None) -> dict[str, fl
             r, w = factors.get(tier, factors.get("device", {})).get(f"{kind}|{group}") or NOMINAL_TRAFFIC[kind]
             out[f"read_{tier}"] += r * n
             out[f"write_{tier}"] += w * n
-            if tier == "nvme" and kind in ("master", "opt"):
-                out["optimizer_nvme"] += (r + w) * n
     return out
 
 
@@ -182,24 +179,6 @@ def compute_factor(choice: dict | None, recompute: float) -> float:
     return (recompute if choice["recompute"] else 1.0) * (PAGES_RETURNED_FACTOR if choice["returns_pages"] else 1.0)
 
 
-def nvme_added_s(moved: dict[str, float], rates: dict) -> float:
-    """What a step's NVMe bytes add to it on the CPU backend: the optimizer's at the rate calibrated with only it on
-    NVMe (its traffic overlaps the layers' compute), the rest at the rate the all-NVMe run added beyond that
-    (`zinfjax.planning.calibrate.kind_rates`); every byte at ``nvme_step_GBps`` where those were not measured.
-
-    Example:
-        >>> moved = {"read_nvme": 2e9, "write_nvme": 2e9, "optimizer_nvme": 2e9}
-        >>> nvme_added_s(moved, {"nvme_step_GBps": 2.0}), nvme_added_s(moved, {"nvme_step_GBps": 2.0,
-        ...     "nvme_optimizer_GBps": 4.0, "nvme_other_GBps": 1.0})
-        (2.0, 2.5)
-    """
-    total = moved["read_nvme"] + moved["write_nvme"]
-    if "nvme_optimizer_GBps" not in rates:
-        return total / (rates["nvme_step_GBps"] * 1e9)
-    opt = min(moved.get("optimizer_nvme", 0.0), total)
-    return opt / (rates["nvme_optimizer_GBps"] * 1e9) + (total - opt) / (rates["nvme_other_GBps"] * 1e9)
-
-
 def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rates: dict, platform: str,
             factor: float = 1.0, pages: float = 1.0) -> dict:
     """The cost model: the step's compute, host copies and NVMe I/O, and the step they make.
@@ -214,7 +193,7 @@ def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rate
     copy_bw = rates["host_copy_GBps"]  # None: the host tier is device memory and copies nothing
     host = pages * (moved["read_host"] + moved["write_host"]) / (copy_bw * 1e9) if copy_bw else 0.0
     if platform == "cpu":  # copies and the I/O threads take the cores compute uses
-        nvme = pages * nvme_added_s(moved, rates)
+        nvme = pages * (moved["read_nvme"] + moved["write_nvme"]) / (rates["nvme_step_GBps"] * 1e9)
         step = max(compute + host + nvme, disk_seconds(moved["read_nvme"], moved["write_nvme"], rates))
     else:
         nvme = moved["read_nvme"] / (rates["disk_read_GBps"] * 1e9) + moved["write_nvme"] / (rates["disk_write_GBps"]

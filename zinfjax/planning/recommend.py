@@ -28,13 +28,11 @@ from zinfjax.config import Config
 from zinfjax.engine.budget import MemoryBudgetError
 from zinfjax.errors import UserError
 from zinfjax.planning.calibrate import (
-    OPTIMIZER_ON_NVME,
     added_rate,
     calibrate_engine,
     calibrate_nvme,
     calibrate_reference,
     calibration_layers,
-    kind_rates,
     nominal_compute,
     scale_to_model,
 )
@@ -245,8 +243,6 @@ def _calibrate(config: Config, model_config, layers: int, rates: dict, copies: b
         factors["nvme"] = on_nvme["traffic"]
         disk = 2 / (1 / rates["disk_read_GBps"] + 1 / rates["disk_write_GBps"])
         rates["nvme_step_GBps"] = added_rate(calibration, on_nvme, disk)
-        optimizer = calibrate_nvme(config, model_config, calibration["layers"], OPTIMIZER_ON_NVME)
-        rates.update(kind_rates(calibration, on_nvme, optimizer, disk))
     rates["engine_s"] = scale_to_model(calibration["step_s"], config, model_config, calibration["layers"])
     rates["calibration_slowed"] = calibration["slowed"]
     rates["calibration_layers"] = calibration["layers"]

@@ -34,7 +34,7 @@ def format_plan(plan: dict, top: int = 12) -> str:
               f"rates{'' if plan['probed'] else ' (nominal)'}: compute {r['engine_s']:.3f} s/step (engine), "
               f"{r['reference_s']:.3f} s/step (in-memory), host copy {_rate(r['host_copy_GBps'])}, "
               f"disk read {r['disk_read_GBps']:.2f} / write {r['disk_write_GBps']:.2f} GB/s, nvme tier in a step "
-              f"{r['nvme_step_GBps']:.2f} GB/s" + _by_kind(r), ""]
+              f"{r['nvme_step_GBps']:.2f} GB/s", ""]
     shown = shown_placements(plan["placements"], top)
     keys = ("params", "optimizer", "gradients", "activations")
     width = {k: 2 + max(len(k), *(len(r["tiers"][k]) for r in shown)) for k in keys}  # a split is longer
@@ -54,13 +54,6 @@ def format_plan(plan: dict, top: int = 12) -> str:
               + f" (predicted {rec['step_s']:.3f} s/step; zinfjax train --set tiers=auto uses it)"]
     lines += [f"note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
-
-
-def _by_kind(rates: dict) -> str:
-    """The NVMe tier's rates by kind, where the plan measured them (`zinfjax.planning.calibrate.kind_rates`)."""
-    if "nvme_optimizer_GBps" not in rates:
-        return ""
-    return f" (the optimizer's {rates['nvme_optimizer_GBps']:.2f}, the rest's {rates['nvme_other_GBps']:.2f})"
 
 
 # ---- zinfjax plan --machine -------------------------------------------------------------------

@@ -71,6 +71,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
         log["placement"] = {"tiers": plan["recommended"]["tiers"], "predicted_step_s": plan["recommended"]["step_s"],
                             "regime": plan["recommended"].get("regime"), "engine": plan["recommended"].get("engine"),
                             "compute_alone_s": plan["rates"].get("engine_s"),
+                            "nvme_step_GBps": plan["rates"].get("nvme_step_GBps"),
                             "baseline_bytes": plan["machine"].get("baseline_bytes"),  # the engine measures its own
                             "other_cpu_cores": plan["rates"].get("other_cpu_cores")}
     if trainer.engine is not None:
