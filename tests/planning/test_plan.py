@@ -12,6 +12,7 @@ from zinfjax.engine.budget import heap_room
 from zinfjax.engine.engine import COMPUTE_DTYPES
 from zinfjax.engine.memory import zero_formula
 from zinfjax.engine.stores import StoreSpec, budget_needs
+from zinfjax.planning.calibrate import recompute_factor
 from zinfjax.planning.cost import (
     ENGINE_START_BYTES,
     NOMINAL,
@@ -20,7 +21,6 @@ from zinfjax.planning.cost import (
     engine_choice,
     fit,
     predict,
-    recompute_factor,
     traffic,
 )
 from zinfjax.planning.recommend import REGIMES, PlanError, make_plan

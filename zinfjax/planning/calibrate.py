@@ -12,7 +12,7 @@ import numpy as np
 
 from zinfjax._util.choices import COMPUTE_DTYPES, TIER_KEYS
 from zinfjax.config import Config
-from zinfjax.planning.cost import NOMINAL, compute_factor, recompute_factor
+from zinfjax.planning.cost import NOMINAL, compute_factor
 from zinfjax.runtime import allocator
 
 CALIBRATION_LAYERS = 4
@@ -30,6 +30,20 @@ def layer_flops(config: Config, m) -> tuple[float, float]:
     layer = 2 * tokens * (2 * m.d_model * m.d_model + 2 * m.d_model * kv + mlp) + attention
     rest = 2 * tokens * m.d_model * m.vocab_size
     return 4 * layer, 4 * rest
+
+
+def recompute_factor(config: Config, model_config) -> float:
+    """What the forward run again in the backward costs, against a step that keeps its residuals: the layers'
+    share of a step's FLOPs (`zinfjax.planning.calibrate.layer_flops`), a third more of it.
+
+    Example:
+        >>> from zinfjax.models import ModelConfig
+        >>> round(recompute_factor(Config(batch_size=1, seq_len=256), ModelConfig.resolve("gpt2-large")), 2)
+        1.31
+    """
+    per_layer, rest = layer_flops(config, model_config)  # each with the forward counted twice
+    layers = model_config.n_layers * per_layer * 3 / 4
+    return 1 + layers / 3 / (layers + rest * 3 / 4)
 
 
 def calibration_model(model_config, layers: int = CALIBRATION_LAYERS):

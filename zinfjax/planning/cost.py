@@ -148,25 +148,10 @@ def engine_choice(config: Config, parts: dict, stores, tiers: dict[str, str], ma
 PAGES_RETURNED_FACTOR = 1.18
 
 
-def recompute_factor(config: Config, model_config) -> float:
-    """What the forward run again in the backward costs, against a step that keeps its residuals: the layers'
-    share of a step's FLOPs (`zinfjax.planning.calibrate.layer_flops`), a third more of it.
-
-    Example:
-        >>> from zinfjax.models import ModelConfig
-        >>> round(recompute_factor(Config(batch_size=1, seq_len=256), ModelConfig.resolve("gpt2-large")), 2)
-        1.31
-    """
-    from zinfjax.planning.calibrate import layer_flops
-
-    per_layer, rest = layer_flops(config, model_config)  # each with the forward counted twice
-    layers = model_config.n_layers * per_layer * 3 / 4
-    return 1 + layers / 3 / (layers + rest * 3 / 4)
-
-
 def compute_factor(choice: dict | None, recompute: float) -> float:
-    """The factor the engine's choices (`engine_choice`) put on compute alone: ``recompute`` (`recompute_factor`)
-    where the forward runs again, `PAGES_RETURNED_FACTOR` where freed pages go back.
+    """The factor the engine's choices (`engine_choice`) put on compute alone: ``recompute``
+    (`zinfjax.planning.calibrate.recompute_factor`) where the forward runs again, `PAGES_RETURNED_FACTOR` where freed
+    pages go back.
 
     Example:
         >>> compute_factor({"recompute": True, "returns_pages": False}, 1.3)

@@ -34,6 +34,7 @@ from zinfjax.planning.calibrate import (
     calibrate_reference,
     calibration_layers,
     nominal_compute,
+    recompute_factor,
     scale_to_model,
 )
 from zinfjax.planning.cost import (
@@ -44,7 +45,6 @@ from zinfjax.planning.cost import (
     fit,
     placements,
     predict,
-    recompute_factor,
     traffic,
     uses_reference,
 )

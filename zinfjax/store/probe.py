@@ -45,36 +45,42 @@ def raw_direct_io(path: str, nbytes: int, block: int = MiB, depth: int = 16) -> 
 
 
 def mixed_direct_io(path: str, nbytes: int, block: int = MiB, depth: int = 16) -> float:
-    """GB/s the disk moves reading and writing at once: `nbytes` written to ``path`` first, then read back with
-    `depth` blocks in flight while as many are written to a second file, both bytes over the wall time.
+    """GB/s the disk moves reading and writing at once: the first half of `nbytes` written to ``path``, then read
+    back with `depth` / 2 blocks in flight while as many write its second half; both halves over the wall time. It
+    takes no more space than `raw_direct_io`.
 
     A disk that reads and writes at full speed together moves about the sum of its two rates here; one that shares
     its bandwidth between them (this project's virtio disk: 1.6-1.9 GB/s together against 1.8-2.0 read and
     2.2-2.5 write alone) about one rate.
     """
-    nblocks = nbytes // block
-    second = path + ".w"
+    half = max(nbytes // block // 2, 1)
+    start = half * block
+    lanes = max(depth // 2, 1)
     fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT | os.O_TRUNC, 0o644)
-    out = os.open(second, os.O_CREAT | os.O_RDWR | os.O_DIRECT | os.O_TRUNC, 0o644)
+    failed: list[BaseException] = []
+
+    def write_second_half():
+        try:
+            _run_threads(lanes, lambda buf, off: os.pwrite(fd, buf, start + off), half, block, fill=True)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller after the join
+            failed.append(e)
+
     try:
-        _run_threads(depth, lambda buf, off: os.pwrite(fd, buf, off), nblocks, block, fill=True)
+        _run_threads(depth, lambda buf, off: os.pwrite(fd, buf, off), half, block, fill=True)
         os.fsync(fd)
-        half = max(depth // 2, 1)
-        writer = threading.Thread(target=_run_threads, args=(half, lambda buf, off: os.pwrite(out, buf, off),
-                                                             nblocks, block, True))
+        writer = threading.Thread(target=write_second_half)
         t0 = time.perf_counter()
         writer.start()
-        _run_threads(half, lambda buf, off: os.preadv(fd, [buf], off), nblocks, block, fill=False)
+        _run_threads(lanes, lambda buf, off: os.preadv(fd, [buf], off), half, block, fill=False)
         writer.join()
-        os.fsync(out)
+        if failed:
+            raise failed[0]
+        os.fsync(fd)
         wall = time.perf_counter() - t0
     finally:
         os.close(fd)
-        os.close(out)
-        for p in (path, second):
-            if os.path.exists(p):
-                os.remove(p)
-    return 2 * nblocks * block / wall / 1e9
+        os.remove(path)
+    return 2 * half * block / wall / 1e9
 
 
 def _run_threads(depth: int, op, nblocks: int, block: int, fill: bool) -> None:
