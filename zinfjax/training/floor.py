@@ -1,8 +1,8 @@
 """The disk's floor under each step: the NVMe bytes it moved at the disk's probed rates, and the step over it.
 
 A run whose state uses the nvme tier probes the disk once, before its first step (`probe_disk`: 256 MiB
-written then read with O_DIRECT under its ``nvme_path``, then read again while as much is written), and every
-step's log entry gains:
+written then read with O_DIRECT under its ``nvme_path``, then half of it read back while the other half is
+written), and every step's log entry gains:
 
 - ``io_floor_s``: ``max(read_bytes_nvme / disk_read, write_bytes_nvme / disk_write, (read_bytes_nvme +
   write_bytes_nvme) / disk_mixed)``: the least time the disk needs for the step's NVMe bytes, its reads and
