@@ -34,7 +34,7 @@ def layer_flops(config: Config, m) -> tuple[float, float]:
 
 def recompute_factor(config: Config, model_config) -> float:
     """What the forward run again in the backward costs, against a step that keeps its residuals: the layers'
-    share of a step's FLOPs (`zinfjax.planning.calibrate.layer_flops`), a third more of it.
+    share of a step's FLOPs (`layer_flops`), a third more of it.
 
     Example:
         >>> from zinfjax.models import ModelConfig

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from zinfjax._util.choices import TIER_KEYS, TIERS
@@ -13,6 +14,7 @@ from zinfjax.engine.budget import (
     LIVE_PER_DEPTH,
     MemoryBudgetError,
     heap_room,
+    memory_capped,
     minimum_bytes,
 )
 from zinfjax.engine.stores import StoreSpec, budget_needs
@@ -134,8 +136,8 @@ def engine_choice(config: Config, parts: dict, stores, tiers: dict[str, str], ma
                                             needs, whole, baseline=baseline)
     except MemoryBudgetError:
         return None
-    capped = config.memory_limit is not None or machine["host_source"].startswith("the memory cgroup")
-    on_nvme = any(s.tier == "nvme" or "nvme" in s.tiers for s in specs)
+    capped = memory_capped(config, dataclasses.replace(plan, source=machine["host_source"]))  # as the engine judges
+    on_nvme = any("nvme" in s.tiers for s in specs)
     return {"recompute": not saves, "parts": bool(cut) and chosen is needs, "lean": plan.lean,
             "prefetch_depth": plan.prefetch_depth, "keeps_heap": plan.keeps_heap,
             "returns_pages": capped and on_nvme and not plan.keeps_heap}
@@ -181,7 +183,7 @@ def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rate
         nvme = pages * (moved["read_nvme"] + moved["write_nvme"]) / (rates["nvme_step_GBps"] * 1e9)
         step = max(compute + host + nvme, disk_seconds(moved["read_nvme"], moved["write_nvme"], rates))
     else:
-        nvme = moved["read_nvme"] / (rates["disk_read_GBps"] * 1e9) + moved["write_nvme"] / (rates["disk_write_GBps"]
-                                                                                              * 1e9)
+        reading = moved["read_nvme"] / (rates["disk_read_GBps"] * 1e9)
+        nvme = reading + moved["write_nvme"] / (rates["disk_write_GBps"] * 1e9)
         step = max(compute, host, nvme)
     return {"compute_alone_s": alone, "compute_s": compute, "host_copy_s": host, "nvme_io_s": nvme, "step_s": step}
