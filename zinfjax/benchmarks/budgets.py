@@ -29,13 +29,13 @@ import sys
 
 from zinfjax.benchmarks.cgroup import train_in_cgroup
 from zinfjax.benchmarks.io import parse_size
+from zinfjax.store.threads import io_cpu_seconds
 
 MODELS = {
     "gpt2-large": ["model=gpt2-large", "batch_size=1", "seq_len=256"],
     "llama-1b": ["model=llama-1b", "batch_size=1", "seq_len=256", "precision=bf16"],
 }
 HOST = ["params=host", "optimizer=host", "gradients=host", "activations=host"]
-IO_THREADS = ("cpu_s_read", "cpu_s_write", "cpu_s_chunk_io")
 
 
 def point(model: str, budget: str, args, tiers: list[str] | None = None) -> dict:
@@ -60,7 +60,7 @@ def point(model: str, budget: str, args, tiers: list[str] | None = None) -> dict
     compute = (log.get("floor_compute") or {}).get("compute_alone_s")
     io_floor = last.get("io_floor_s", 0.0)
     floor = max(compute or 0.0, io_floor)
-    io_cpu = statistics.median(sum(s.get(k, 0.0) for k in IO_THREADS) for s in later)
+    io_cpu = statistics.median(io_cpu_seconds(s) for s in later)
     chosen = {k: log["config"][k] for k in ("params", "optimizer", "gradients", "activations")}
     predicted = (log.get("placement") or {}).get("predicted_step_s")
     return {**out, "tiers": chosen, "step_s": step, "steps_s": [s["step_s"] for s in log["steps"]],

@@ -24,10 +24,10 @@ import time
 import numpy as np
 
 from zinfjax.store.chunkfile import crc32c
+from zinfjax.store.threads import io_cpu_seconds
 
 SETTINGS = ["model=gpt2-small", "batch_size=4", "seq_len=128", "params=nvme", "optimizer=nvme", "gradients=nvme",
             "activations=nvme"]
-IO_THREADS = ("cpu_s_read", "cpu_s_write", "cpu_s_chunk_io")
 
 
 def run(args, verify: bool, k: int) -> dict:
@@ -43,7 +43,7 @@ def run(args, verify: bool, k: int) -> dict:
         steps = json.load(f)["steps"][2:]
     shutil.rmtree(work, ignore_errors=True)
     return {"step_s": statistics.median(s["step_s"] for s in steps),
-            "io_cpu_s": statistics.median(sum(s.get(t, 0.0) for t in IO_THREADS) for s in steps),
+            "io_cpu_s": statistics.median(io_cpu_seconds(s) for s in steps),
             "read_GB": steps[-1].get("read_bytes_nvme", 0) / 1e9}
 
 

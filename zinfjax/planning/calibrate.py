@@ -13,7 +13,9 @@ import numpy as np
 from zinfjax._util.choices import COMPUTE_DTYPES, TIER_KEYS
 from zinfjax.config import Config
 from zinfjax.planning.cost import NOMINAL, compute_factor
+from zinfjax.planning.probes import disk_seconds
 from zinfjax.runtime import allocator
+from zinfjax.store.threads import io_cpu_seconds
 
 CALIBRATION_LAYERS = 4
 
@@ -90,9 +92,7 @@ def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAY
         named = [(k, g, s) for k, d in engine.stores.stores.items() for g, s in d.items()]
         named += [("acts", f"s:scan{p}", s) for p, s in engine.stores.acts.items()]
         before = {(k, g): (s.stats.bytes_read, s.stats.bytes_written) for k, g, s in named}
-        times = []
-        for _ in range(CALIBRATION_STEPS):
-            times.append(engine.train_step(batch)["step_s"])
+        steps = [engine.train_step(batch) for _ in range(CALIBRATION_STEPS)]
         traffic = {}
         for k, g, s in named:
             size = s.layer_nbytes * s.num_layers
@@ -103,11 +103,12 @@ def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAY
                                 recompute_factor(c, m))
     finally:
         engine.close()
-    moved = sum(s.stats.bytes_read - before[(k, g)][0] + s.stats.bytes_written - before[(k, g)][1]
-                for k, g, s in named) / CALIBRATION_STEPS
-    timed = statistics.median(times)
+    read = sum(s.stats.bytes_read - before[(k, g)][0] for k, g, s in named) / CALIBRATION_STEPS
+    written = sum(s.stats.bytes_written - before[(k, g)][1] for k, g, s in named) / CALIBRATION_STEPS
+    timed = statistics.median(s["step_s"] for s in steps)
     return {"step_s": timed / slowed, "timed_s": timed, "slowed": slowed, "layers": m.n_layers, "traffic": traffic,
-            "bytes_per_step": moved}
+            "bytes_per_step": read + written, "read_per_step": read, "written_per_step": written,
+            "io_cpu_s": statistics.median(io_cpu_seconds(s) for s in steps)}
 
 
 def added_rate(device: dict, tier: dict, floor: float) -> float:
@@ -125,6 +126,44 @@ def added_rate(device: dict, tier: dict, floor: float) -> float:
     if extra <= 0.02 * device["step_s"] or tier["bytes_per_step"] <= 0:
         return max(floor, tier["bytes_per_step"] / max(0.02 * device["step_s"], 1e-9) / 1e9)
     return tier["bytes_per_step"] / extra / 1e9
+
+
+def io_cpu_rate(device: dict, tier: dict, floor: float) -> float:
+    """GB/s the NVMe tier adds to a step on the CPU backend: the bytes its timing run moved over the CPU seconds its
+    I/O path took (`zinfjax.store.threads.io_cpu_seconds`); `added_rate` where that run counted no I/O CPU.
+
+    On two cores XLA's operations split over both, and wait for the slower half: a core-second the I/O path takes
+    delays the step by about a second. Across the budget sweep (docs/BENCHMARKS.md, "Memory first") the seconds
+    the NVMe bytes added to a step came within a quarter of the I/O path's CPU seconds, while the step over the
+    device step of the timing run (`added_rate`) said nothing where the disk bounded that run: llama-1b's was
+    2.2 GB/s against the 3.2-3.7 its capped steps showed.
+
+    Example:
+        >>> io_cpu_rate({"step_s": 1.0}, {"step_s": 3.0, "bytes_per_step": 6e9, "io_cpu_s": 2.0}, 1.0)
+        3.0
+    """
+    if tier.get("io_cpu_s", 0.0) <= 0 or tier["bytes_per_step"] <= 0:
+        return added_rate(device, tier, floor)
+    return tier["bytes_per_step"] / tier["io_cpu_s"] / 1e9
+
+
+def disk_efficiency(device: dict, tier: dict, rates: dict) -> float:
+    """How near the disk's own time (`disk_seconds` at the probed rates) the engine's NVMe step came where the disk
+    bounded its timing run: that time over the step. 1.0 where compute and the I/O path's CPU bounded it instead
+    (the device step and the I/O CPU seconds add up to more than the disk's time).
+
+    Example:
+        >>> rates = {"disk_read_GBps": 2.0, "disk_write_GBps": 2.0, "disk_mixed_GBps": 2.0}
+        >>> tier = {"timed_s": 5.0, "read_per_step": 4e9, "written_per_step": 4e9, "io_cpu_s": 1.0}
+        >>> disk_efficiency({"timed_s": 1.0}, tier, rates)
+        0.8
+    """
+    if "read_per_step" not in tier or tier["timed_s"] <= 0:
+        return 1.0
+    disk = disk_seconds(tier["read_per_step"], tier["written_per_step"], rates)
+    if disk <= device["timed_s"] + tier.get("io_cpu_s", 0.0):
+        return 1.0
+    return min(1.0, disk / tier["timed_s"])
 
 
 def calibrate_nvme(config: Config, model_config, layers: int) -> dict:

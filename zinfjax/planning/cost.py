@@ -22,7 +22,7 @@ from zinfjax.planning.probes import disk_seconds
 from zinfjax.planning.state import KIND_TIER, device_bytes
 
 NOMINAL = {"disk_read_GBps": 1.0, "disk_write_GBps": 1.0, "host_copy_GBps": 4.0, "nvme_step_GBps": 1.0,
-           "flops_per_s": 2e10}
+           "disk_efficiency": 1.0, "flops_per_s": 2e10}
 
 
 # Reads and writes per byte of each kind in one step without probes (grad_accum 1, no gradient clipping).
@@ -170,8 +170,9 @@ def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rate
             factor: float = 1.0, pages: float = 1.0) -> dict:
     """The cost model: the step's compute, host copies and NVMe I/O, and the step they make.
 
-    ``nvme_io_s`` is what the NVMe tier adds to the step: on the CPU backend at the rate the engine
-    shows (`added_rate`), never less than the disk's own time; elsewhere the disk's time. ``factor``: what the
+    ``nvme_io_s`` is what the NVMe tier adds to the step: on the CPU backend its I/O path's CPU seconds
+    (`io_cpu_rate`), the step never shorter than the disk's own time over the share of it the engine reached
+    where the disk bound its timing run (`disk_efficiency`); elsewhere the disk's time. ``factor``: what the
     engine's choices put on compute alone (`compute_factor`); ``pages``: on the host copies and NVMe I/O
     (`PAGES_RETURNED_FACTOR` where freed pages go back).
     """
@@ -181,7 +182,8 @@ def predict(config: Config, tiers: dict[str, str], moved: dict[str, float], rate
     host = pages * (moved["read_host"] + moved["write_host"]) / (copy_bw * 1e9) if copy_bw else 0.0
     if platform == "cpu":  # copies and the I/O threads take the cores compute uses
         nvme = pages * (moved["read_nvme"] + moved["write_nvme"]) / (rates["nvme_step_GBps"] * 1e9)
-        step = max(compute + host + nvme, disk_seconds(moved["read_nvme"], moved["write_nvme"], rates))
+        disk = disk_seconds(moved["read_nvme"], moved["write_nvme"], rates) / rates.get("disk_efficiency", 1.0)
+        step = max(compute + host + nvme, disk)
     else:
         reading = moved["read_nvme"] / (rates["disk_read_GBps"] * 1e9)
         nvme = reading + moved["write_nvme"] / (rates["disk_write_GBps"] * 1e9)

@@ -33,6 +33,8 @@ from zinfjax.planning.calibrate import (
     calibrate_nvme,
     calibrate_reference,
     calibration_layers,
+    disk_efficiency,
+    io_cpu_rate,
     nominal_compute,
     recompute_factor,
     scale_to_model,
@@ -242,7 +244,8 @@ def _calibrate(config: Config, model_config, layers: int, rates: dict, copies: b
         on_nvme = calibrate_nvme(config, model_config, calibration["layers"])
         factors["nvme"] = on_nvme["traffic"]
         disk = 2 / (1 / rates["disk_read_GBps"] + 1 / rates["disk_write_GBps"])
-        rates["nvme_step_GBps"] = added_rate(calibration, on_nvme, disk)
+        rates["nvme_step_GBps"] = io_cpu_rate(calibration, on_nvme, disk)
+        rates["disk_efficiency"] = disk_efficiency(calibration, on_nvme, rates)
     rates["engine_s"] = scale_to_model(calibration["step_s"], config, model_config, calibration["layers"])
     rates["calibration_slowed"] = calibration["slowed"]
     rates["calibration_layers"] = calibration["layers"]
@@ -253,15 +256,28 @@ def _calibrate(config: Config, model_config, layers: int, rates: dict, copies: b
 
 
 def recommend(rows: list[dict], within: float = TIE) -> dict:
-    """The fastest placement that fits; among those within ``within`` of it, the one that moves the fewest bytes
-    on NVMe, and of those the one that offloads least.
+    """The fastest placement that fits; among those within ``within`` of it (and, where the fastest's engine keeps
+    its heap's pages, among those that keep them too), the one that moves the fewest bytes on NVMe, and of those
+    the one that offloads least.
 
     A prediction is not exact to a few percent, and offloading what need not be costs memory
-    traffic for nothing: the disk's bytes first, which bound a step on NVMe (docs/planning.md).
+    traffic for nothing: the disk's bytes first, which bound a step on NVMe (docs/planning.md). A
+    placement whose engine must give back its pages is no tie for one that need not: at
+    gpt2-large's 9 GiB one predicted 9% slower that gave its pages back was taken for its fewer bytes,
+    and measured slower than the 7 GiB step.
+
+    Example:
+        >>> row = lambda s, regime, gb: {"fits": True, "step_s": s, "regime": regime, "tiers": {},
+        ...                              "bytes_per_step": {"read_nvme": gb * 1e9, "write_nvme": 0.0}}
+        >>> recommend([row(10.8, "heap", 10.4), row(11.8, "roomy", 7.9)])["step_s"]
+        10.8
+        >>> recommend([row(10.8, "heap", 10.4), row(11.4, "heap", 9.0)])["step_s"]
+        11.4
     """
     fitting = [r for r in rows if r["fits"]]
-    fastest = min(r["step_s"] for r in fitting)
-    close = [r for r in fitting if r["step_s"] <= (1 + within) * fastest]
+    best = min(fitting, key=lambda r: r["step_s"])
+    heap = best.get("regime") == "heap"  # rows of `zinfjax plan --machine` have no engine choice
+    close = [r for r in fitting if r["step_s"] <= (1 + within) * best["step_s"] and (not heap or r["regime"] == "heap")]
     return min(close, key=lambda r: (round(nvme_bytes(r)), offloaded(r["tiers"]), r["step_s"]))
 
 

@@ -34,7 +34,8 @@ def format_plan(plan: dict, top: int = 12) -> str:
               f"rates{'' if plan['probed'] else ' (nominal)'}: compute {r['engine_s']:.3f} s/step (engine), "
               f"{r['reference_s']:.3f} s/step (in-memory), host copy {_rate(r['host_copy_GBps'])}, "
               f"disk read {r['disk_read_GBps']:.2f} / write {r['disk_write_GBps']:.2f} GB/s, nvme tier in a step "
-              f"{r['nvme_step_GBps']:.2f} GB/s", ""]
+              f"{r['nvme_step_GBps']:.2f} GB/s (the bytes per CPU second of its I/O path), the disk reached "
+              f"{100 * r.get('disk_efficiency', 1.0):.0f}% where it bound", ""]
     shown = shown_placements(plan["placements"], top)
     keys = ("params", "optimizer", "gradients", "activations")
     width = {k: 2 + max(len(k), *(len(r["tiers"][k]) for r in shown)) for k in keys}  # a split is longer

@@ -36,6 +36,7 @@ from zinfjax.store.errors import (
 from zinfjax.store.layout import LeafLayout, Shard
 from zinfjax.store.lock import StoreLock
 from zinfjax.store.pool import BufferPool, HostBuffer
+from zinfjax.store.recycle import ReadBuffers, aligned_bytes
 from zinfjax.store.threads import executor
 
 CHECKSUM_BYTES = chunkfile.CHECKSUM_BYTES
@@ -122,6 +123,8 @@ class NvmeStore(LayerStore):
             for scratch state, which a run writes whole before it reads any.
         verify: check each chunk's crc32c as it is read (direct chunk I/O); False trusts the disk and
             memory (the checksum is still written). tensorstore's reads always check it.
+        reuse_reads: on the CPU backend, read a chunk into an array of an earlier read that nothing holds any
+            more (`zinfjax.store.recycle`) instead of a fresh one; False for the fresh one every time.
         **context: options for `tensorstore_context`; ``file_io_sync`` applies to both.
     """
 
@@ -142,6 +145,7 @@ class NvmeStore(LayerStore):
         in_place: dict[str, str] | None = None,
         replace: bool = False,
         verify: bool = True,
+        reuse_reads: bool = True,
         **context,
     ):
         super().__init__(like, layouts)
@@ -166,6 +170,7 @@ class NvmeStore(LayerStore):
             self._lock_file.release()
             raise
         self.pool = pool or BufferPool(max(4 * self._read_nbytes(), 64 << 20))
+        self._read_buffers = ReadBuffers(reuse=reuse_reads)  # the CPU backend's read arrays
         self._readers = executor(read_threads, f"zinf-read-{os.path.basename(directory)}")
         self._writers = executor(write_threads, f"zinf-write-{os.path.basename(directory)}")
 
@@ -300,8 +305,9 @@ class NvmeStore(LayerStore):
             buf.release()
 
     def _read_in_place(self, i: int, plan: list, ks: list[int], memory_kind: str) -> list:
-        """CPU backend: every chunk read into its own aligned array, which its device array then owns."""
-        slots = [aligned_empty((self._slot(k),), np.uint8, chunkfile.BLOCK) for k, _ in plan]
+        """CPU backend: every chunk read into its own aligned array, which its device array then owns; an array
+        whose last device array is gone serves a later read (`ReadBuffers`), so its pages are not zeroed anew."""
+        slots = [self._read_buffers.take(self._slot(k), chunkfile.BLOCK) for k, _ in plan]
         self._read_direct(i, plan, [(slot, None) for slot in slots])
         per_leaf: dict[int, list] = {k: [] for k in ks}
         for slot, (k, shard) in zip(slots, plan, strict=True):
@@ -404,6 +410,7 @@ class NvmeStore(LayerStore):
     def _release(self) -> None:
         self._readers.shutdown(wait=True)
         self._writers.shutdown(wait=True)
+        self._read_buffers.clear()
         self._lock_file.release()
 
 
@@ -448,10 +455,7 @@ def shard_grid(shard: Shard, lay: LeafLayout) -> tuple[int, ...]:
 def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
     """An uninitialised array whose data starts on an `align`-byte boundary."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = -raw.ctypes.data % align
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+    return aligned_bytes(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, align).view(dtype).reshape(shape)
 
 
 def _detach(x: jax.Array, buf: HostBuffer) -> jax.Array:

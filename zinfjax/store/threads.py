@@ -32,6 +32,7 @@ ROLES = (  # (OS thread name prefix, role); the first match wins
     ("llvm", "xla"),
 )
 ALL_ROLES = sorted({"main", "other", *(role for _, role in ROLES)})
+IO_ROLES = ("read", "write", "chunk_io")  # the NVMe tier's I/O path: staging copies, checksums, system calls
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -59,6 +60,16 @@ def role(name: str, main: bool = False) -> str:
     if main:
         return "main"
     return next((r for prefix, r in ROLES if name.startswith(prefix)), "other")
+
+
+def io_cpu_seconds(metrics: dict) -> float:
+    """The CPU seconds of the NVMe tier's I/O path in a step's metrics (their ``cpu_s_<role>`` of `IO_ROLES`).
+
+    Example:
+        >>> io_cpu_seconds({"cpu_s_read": 0.5, "cpu_s_write": 0.25, "cpu_s_xla": 9.0})
+        0.75
+    """
+    return sum(metrics.get(f"cpu_s_{role}", 0.0) for role in IO_ROLES)
 
 
 def cpu_seconds() -> dict[str, float]:

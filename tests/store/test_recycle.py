@@ -1,0 +1,49 @@
+"""The nvme tier's read arrays on the CPU backend are used again, but never while anything holds them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zinfjax.store import BufferPool, open_store
+
+L = 4
+
+
+def _layers():
+    return np.random.default_rng(0).standard_normal((L, 64, 1024)).astype(np.float32)
+
+
+def _address(x: jax.Array) -> int:
+    return x.addressable_shards[0].data.unsafe_buffer_pointer()
+
+
+def test_a_read_array_held_is_never_read_into_and_a_freed_one_is_used_again(tmp_path):
+    data = _layers()
+    like = {"w": jax.ShapeDtypeStruct(data.shape, jnp.float32)}
+    with open_store("nvme", like, path=str(tmp_path), pool=BufferPool(8 << 20)) as store:
+        store.write_all({"w": data})
+        first = store.read(0).result()["w"]
+        held = _address(first)
+        later = [store.read(i).result()["w"] for i in range(1, L)]  # while `first` is held
+        assert held not in {_address(x) for x in later}
+        np.testing.assert_array_equal(np.asarray(first), data[0])
+        del first
+        again = store.read(L - 1).result()["w"]
+        assert _address(again) == held  # the freed array took the read: no fresh pages
+        for i, x in zip(range(1, L), later, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), data[i])
+        np.testing.assert_array_equal(np.asarray(again), data[L - 1])
+
+
+def test_a_read_array_a_computation_took_over_is_used_again_only_when_its_result_is_gone(tmp_path):
+    data = _layers()
+    like = {"w": jax.ShapeDtypeStruct(data.shape, jnp.float32)}
+    step = jax.jit(lambda w: w * 2.0, donate_argnums=0)
+    with open_store("nvme", like, path=str(tmp_path), pool=BufferPool(8 << 20)) as store:
+        store.write_all({"w": data})
+        doubled = step(store.read(0).result()["w"])
+        others = [store.read(i).result()["w"] for i in range(1, L)]
+        np.testing.assert_array_equal(np.asarray(doubled), 2 * data[0])
+        for i, x in zip(range(1, L), others, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), data[i])
+        np.testing.assert_array_equal(np.asarray(doubled), 2 * data[0])
