@@ -307,7 +307,7 @@ class NvmeStore(LayerStore):
     def _read_in_place(self, i: int, plan: list, ks: list[int], memory_kind: str) -> list:
         """CPU backend: every chunk read into its own aligned array, which its device array then owns; an array
         whose last device array is gone serves a later read (`ReadBuffers`), so its pages are not zeroed anew."""
-        slots = [self._read_buffers.take(self._slot(k), chunkfile.BLOCK) for k, _ in plan]
+        slots = self._read_buffers.take([self._slot(k) for k, _ in plan], chunkfile.BLOCK)
         self._read_direct(i, plan, [(slot, None) for slot in slots])
         per_leaf: dict[int, list] = {k: [] for k in ks}
         for slot, (k, shard) in zip(slots, plan, strict=True):

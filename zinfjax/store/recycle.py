@@ -12,18 +12,19 @@ adopted it and every computation that took it over holds a reference to the owne
 CPython's reference count of that owner says when the last of them is gone. (JAX lets go of an array
 it adopted at its next call, or at a garbage collection, whose callbacks it hooks: where no array is
 free, a young-generation collection lets those go first.) A free array goes to the
-next read of its size; the pool grows only while every array of that size is in use, so it holds at
-most as many as were ever in use at once, which the engine's memory budget counts at its peak already.
+next read of its size; the pool grows only while every array of that size is in use, and lets go of those
+still free once a read has taken what it needs, so it holds what the reads in use hold, and the arrays
+freed since the last read.
 
 Example:
     >>> buffers = ReadBuffers()
-    >>> a = buffers.take(10_000, 4096)
+    >>> [a] = buffers.take([10_000], 4096)
     >>> a.ctypes.data % 4096, a.nbytes
     (0, 10000)
-    >>> buffers.take(10_000, 4096).ctypes.data == a.ctypes.data   # `a` is still held: another array
+    >>> buffers.take([10_000], 4096)[0].ctypes.data == a.ctypes.data   # `a` is still held: another array
     False
     >>> address = a.ctypes.data; del a
-    >>> buffers.take(10_000, 4096).ctypes.data == address          # free again: the same memory
+    >>> buffers.take([10_000], 4096)[0].ctypes.data == address          # free again: the same memory
     True
 """
 
@@ -47,23 +48,31 @@ class ReadBuffers:
         self._views: dict[tuple[int, int], list[np.ndarray]] = {}
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int, align: int) -> np.ndarray:
-        """A free array of ``nbytes`` whose data starts on an ``align``-byte boundary: one used before where one
-        is free, else a new one (uninitialised)."""
+    def take(self, sizes: list[int], align: int) -> list[np.ndarray]:
+        """Free arrays of these sizes whose data start on an ``align``-byte boundary: ones used before where they are
+        free, else new ones (uninitialised). The arrays of those sizes still free after are let go, so the pool
+        keeps no more than the reads in use need."""
         if not self.reuse:
-            return aligned_bytes(nbytes, align)
+            return [aligned_bytes(n, align) for n in sizes]
         with self._lock:
-            views = self._views.setdefault((nbytes, align), [])
+            out = [self._take(n, align) for n in sizes]
+            for n in set(sizes):
+                views = self._views[(n, align)]
+                views[:] = [v for v in views if not _is_free(v)]
+            return out
+
+    def _take(self, nbytes: int, align: int) -> np.ndarray:
+        views = self._views.setdefault((nbytes, align), [])
+        free = _first_free(views)
+        if free is None and views:
+            gc.collect(0)  # runs JAX's callback, which drops the references its freed arrays held
             free = _first_free(views)
-            if free is None and views:
-                gc.collect(0)  # runs JAX's callback, which drops the references its freed arrays held
-                free = _first_free(views)
-            if free is not None:
-                return free[:]  # a view of its own, so that a caller's view keeps the owner held
-            fresh = aligned_bytes(nbytes, align)
-            if len(views) < MAX_PER_SIZE:
-                views.append(fresh)
-            return fresh[:]
+        if free is not None:
+            return free[:]  # a view of its own, so that a caller's view keeps the owner held
+        fresh = aligned_bytes(nbytes, align)
+        if len(views) < MAX_PER_SIZE:
+            views.append(fresh)
+        return fresh[:]
 
     def held_bytes(self) -> int:
         """The bytes of every array this pool keeps, in use or free."""
@@ -77,10 +86,11 @@ class ReadBuffers:
 
 
 def _first_free(views: list[np.ndarray]) -> np.ndarray | None:
-    for i in range(len(views)):
-        if sys.getrefcount(views[i].base) <= _FREE:
-            return views[i]
-    return None
+    return next((v for v in views if _is_free(v)), None)
+
+
+def _is_free(view: np.ndarray) -> bool:
+    return sys.getrefcount(view.base) <= _FREE
 
 
 def aligned_bytes(nbytes: int, align: int) -> np.ndarray:
