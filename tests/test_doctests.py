@@ -17,7 +17,8 @@ MODULES = ["zinfjax._util.byte_sizes", "zinfjax._util.choices", "zinfjax._util.m
            "zinfjax.planning.recommend", "zinfjax.planning.machine", "zinfjax.planning.scale",
            "zinfjax.planning.machine_plan", "zinfjax.models.products", "tests.support.tolerances",
            "zinfjax.models.tiled", "zinfjax.models.tiled_nnx", "zinfjax.models.tiling", "zinfjax.planning.cost",
-           "zinfjax.planning.calibrate", "zinfjax.planning.probes", "zinfjax.engine.engine_plan"]
+           "zinfjax.planning.calibrate", "zinfjax.planning.probes", "zinfjax.engine.engine_plan",
+           "zinfjax.store.recycle", "zinfjax.store.chunkfile"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -158,20 +158,22 @@ def above_this_process(nbytes: int) -> int:
 
 def test_nvme_path_alone_fills_memory_first_and_holds_the_budget(tmp_path, monkeypatch):
     """No tier key and an nvme_path: tiers=auto is the default. gpt2-small (1.5 GB of fp32 parameters and Adam state)
-    under a budget 1.1 GiB above this process: the plan keeps what fits in host memory and splits a part by layer
-    with NVMe; the run holds the budget. `zinfjax plan` shows the same split."""
+    under a budget 1.1 GiB above this process: the run takes the plan's placement, which keeps part of the state in
+    host memory, and holds the budget. The plan's placements include memory first, a part split by layer with NVMe,
+    and `zinfjax plan` shows it. (Which of them is fastest here turns on a few percent of the predicted step and on
+    what this worker holds, so whether the run took the split is not asserted.)"""
     monkeypatch.setenv("ZINFJAX_PLAN_PROBE", "0")
     limit = above_this_process(1100 << 20)
     args = ["model=gpt2-small", "mesh=data:1", "batch_size=1", "seq_len=64", f"memory_limit={limit}",
             f"nvme_path={tmp_path / 'nv'}"]
     log = run(Config.load(None, [*args, "steps=2", f"log={tmp_path / 'log.json'}"]), progress=False)
     chosen = {k: log["config"][k] for k in TIER_KEYS}
-    assert any(v.startswith("host:") and v.endswith(",nvme") for v in chosen.values()), chosen
+    assert chosen == log["placement"]["tiers"] and any(v != "nvme" for v in chosen.values()), chosen
     assert len(log["steps"]) == 2 and max(s["peak_rss_bytes"] for s in log["steps"]) <= limit
-    assert log["steps"][-1]["read_bytes_host"] > 0 and log["steps"][-1]["read_bytes_nvme"] > 0
-    plan = make_plan(Config.load(None, args), probe=False)  # this process holds more now: its own split
-    split = [v for v in plan["recommended"]["tiers"].values() if v.startswith("host:")]
-    assert split and f"{split[0]} " in format_plan(plan)
+    assert log["steps"][-1]["read_bytes_nvme"] > 0
+    plan = make_plan(Config.load(None, args), probe=False)  # this process holds more now: its own placements
+    splits = [v for r in plan["placements"] if r["fits"] for v in r["tiers"].values() if v.startswith("host:")]
+    assert splits and f"{splits[0]} " in format_plan(plan, top=len(plan["placements"]))
     assert Config.load(None, [*args, "params=nvme"]).tiers_auto is False  # a tier key given: manual
 
 

@@ -47,3 +47,21 @@ def test_a_read_array_a_computation_took_over_is_used_again_only_when_its_result
         for i, x in zip(range(1, L), others, strict=True):
             np.testing.assert_array_equal(np.asarray(x), data[i])
         np.testing.assert_array_equal(np.asarray(doubled), 2 * data[0])
+
+
+def test_the_arrays_nothing_uses_are_let_go_of_and_a_store_told_so_reads_fresh_ones(tmp_path):
+    data = _layers()
+    like = {"w": jax.ShapeDtypeStruct(data.shape, jnp.float32)}
+    with open_store("nvme", like, path=str(tmp_path / "a"), pool=BufferPool(8 << 20)) as store:
+        store.write_all({"w": data})
+        kept = store.read(1).result()["w"]
+        for i in (0, 2):
+            store.read(i).result()
+        jnp.zeros(1).block_until_ready()  # JAX lets go of the arrays it adopted at its next call
+        store.drop_free_reads()
+        assert store._read_buffers.held_bytes() == kept.nbytes + 4096  # the one in use: its slot
+    with open_store("nvme", like, path=str(tmp_path / "b"), pool=BufferPool(8 << 20), reuse_reads=False) as store:
+        store.write_all({"w": data})
+        read = [store.read(i).result()["w"] for i in range(L)]
+        assert store._read_buffers.held_bytes() == 0  # every read a fresh array the pool does not keep
+        np.testing.assert_array_equal(np.asarray(read[-1]), data[-1])

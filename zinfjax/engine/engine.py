@@ -193,7 +193,10 @@ class Engine:
         self.base = source.base if self.base_leaves else None
         self.in_place = in_place_leaves(config, program, source, self.base_leaves, self.placement, self.compute_dtype)
         alone = written_alone(program, self.update_plan, self.spools_gradients, self.platform)
-        self.stores = build_stores(config, specs, acts, self.parts, self.host_kind, self.in_place, alone)
+        # Read arrays used again hold what reads freed until the next read takes them: room a budget that gives
+        # its pages back does not have (llama-1b at 4 GiB was killed by its cgroup so).
+        self.stores = build_stores(config, specs, acts, self.parts, self.host_kind, self.in_place, alone,
+                                   reuse_reads=not self.strict_heap)
         self.interrupted_step = crash_marker.interrupted(config)
         try:
             self._fill(source)
@@ -296,6 +299,8 @@ class Engine:
         crash_marker.begin(self.config, self.step_count + 1)
         if self.strict_heap:  # the last step's freed buffers leave the heap before this one's peak
             allocator.trim()
+        for store in self.stores.all():  # nor do the last step's read arrays wait through this one's forward
+            store.drop_free_reads()
         telemetry = self._telemetry = StepTelemetry(self.stores.pieces(), self.tracer)
         try:
             io = StepIO(self._dispatch, self._write, self._tied, telemetry)

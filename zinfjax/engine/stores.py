@@ -269,17 +269,19 @@ def preflight(config: Config, specs: list[StoreSpec], parts: dict | None = None,
 
 def build_stores(config: Config, specs: list[StoreSpec], acts: dict[int, StoreSpec],
                  parts: dict | None = None, host_kind: str | None = None,
-                 in_place: dict | None = None, alone: frozenset = frozenset()) -> EngineStores:
+                 in_place: dict | None = None, alone: frozenset = frozenset(), reuse_reads: bool = True
+                 ) -> EngineStores:
     """Checks the specs against the disk and the buffer budget, then opens every store (empty), the host
     tier's in its memory kind ``host_kind`` (default: `zinfjax.store.layout.host_tier_kind`), and the params
-    leaves ``in_place`` names (``{group: {path: directory}}``, `zinfjax.engine.in_place`) where they are."""
+    leaves ``in_place`` names (``{group: {path: directory}}``, `zinfjax.engine.in_place`) where they are.
+    ``reuse_reads``: the nvme tier reads into arrays of earlier reads that nothing holds (`zinfjax.store.recycle`)."""
     in_place = in_place or {}
     preflight(config, specs + list(acts.values()), parts, in_place, alone)
     pool = staging_pool(config.host_buffer_bytes)
     opened: dict[str, dict[str, LayerStore]] = {}
 
     def open_one(spec: StoreSpec) -> LayerStore:
-        options = dict(SCRATCH_NVME, verify=config.verify_chunks)  # the memory tiers take none
+        options = dict(SCRATCH_NVME, verify=config.verify_chunks, reuse_reads=reuse_reads)  # memory tiers take none
         if spec.kind == "params" and spec.group in in_place:
             options["in_place"] = in_place[spec.group]
         return open_store(spec.tier, spec.like, path=config.nvme_path, name=spec.name, pool=pool,

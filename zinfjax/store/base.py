@@ -113,6 +113,10 @@ class LayerStore:
         """The memory kind layer ``i`` is held in (None on NVMe): the store's own, but in a split store."""
         return self.memory_kind
 
+    def drop_free_reads(self) -> None:
+        """Lets go of read buffers kept for later reads that nothing uses now (the nvme tier on the CPU backend,
+        `zinfjax.store.recycle`); nothing elsewhere."""
+
     def hands_over(self, i: int) -> bool:
         """Whether a computation may take over the buffers a read of layer ``i`` returns, its outputs being
         written back to this store right after: true for the nvme tier, whose reads are fresh buffers, and

@@ -232,6 +232,9 @@ class NvmeStore(LayerStore):
                                   f"place at {self._leaf_dirs[shut[0]]})")
         return self._writers.submit(self._write_layer, i, leaves, after, ks)
 
+    def drop_free_reads(self) -> None:
+        self._read_buffers.drop_free()
+
     def hands_over(self, i: int) -> bool:
         """Every read is a fresh buffer of its own (never the pool's, never the file's): a computation may take it
         over."""
@@ -252,8 +255,11 @@ class NvmeStore(LayerStore):
                     for shard in x.addressable_shards:
                         shard.data.copy_to_host_async()
             slots = self._slots(plan, buf)
-            for (k, shard), (_, view) in zip(plan, slots, strict=True):
-                np.copyto(view, _host_shard(host[k], shard))
+            for (k, shard), (slot, view) in zip(plan, slots, strict=True):
+                if self.chunk_io == "direct":  # the copy and its checksum together (`chunkfile.stage`)
+                    chunkfile.stage(slot, _host_shard(host[k], shard), self.layouts[k].shard_nbytes)
+                else:
+                    np.copyto(view, _host_shard(host[k], shard))
             # The staged copy is what gets written: let the layer's arrays go now, not when it lands.
             del host
             leaves.clear()
@@ -271,7 +277,7 @@ class NvmeStore(LayerStore):
             for (k, s), (slot, _) in zip(plan, slots, strict=True)
         ]
         try:
-            chunkfile.write_chunks(chunks, sync=self._sync, atomic=self._atomic)
+            chunkfile.write_chunks(chunks, sync=self._sync, atomic=self._atomic, checksummed=True)
         except chunkfile.ChunkWriteError as e:
             raise self._translate(e, i, self.layouts[plan[e.chunk][0]], writing=True) from e
 

@@ -56,10 +56,17 @@ class ReadBuffers:
             return [aligned_bytes(n, align) for n in sizes]
         with self._lock:
             out = [self._take(n, align) for n in sizes]
-            for n in set(sizes):
-                views = self._views[(n, align)]
-                views[:] = [v for v in views if not _is_free(v)]
+            self._drop_free({(n, align) for n in sizes})
             return out
+
+    def drop_free(self) -> None:
+        """Lets go of every array nothing uses now."""
+        with self._lock:
+            self._drop_free(set(self._views))
+
+    def _drop_free(self, keys: set) -> None:
+        for key in keys:
+            self._views[key] = [v for v in self._views[key] if not _is_free(v)]
 
     def _take(self, nbytes: int, align: int) -> np.ndarray:
         views = self._views.setdefault((nbytes, align), [])

@@ -78,6 +78,10 @@ class SplitStore(LayerStore):
         for _, store in self.pieces:
             store.flush()
 
+    def drop_free_reads(self) -> None:
+        for _, store in self.pieces:
+            store.drop_free_reads()
+
     def close(self) -> None:
         if self._closed:
             return
