@@ -15,7 +15,6 @@ import argparse
 import ctypes
 import json
 import os
-import resource
 import shutil
 import time
 
@@ -25,6 +24,7 @@ import numpy as np
 from zinfjax._util.byte_sizes import parse_bytes
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.errors import ConfigError
+from zinfjax.runtime.cpu_load import own_cpu_s
 from zinfjax.store import BufferPool, open_store, staging_bytes
 from zinfjax.store.probe import raw_direct_io  # noqa: F401 - the benchmarks' name for it
 
@@ -64,12 +64,6 @@ def syncfs(path: str) -> None:
         os.close(fd)
 
 
-def process_cpu_s() -> float:
-    """CPU seconds (user + system) of every thread of this process so far."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def store_io(
     directory: str, nbytes: int, chunk_bytes: int, depth: int, cold: bool = True, **options
 ) -> dict[str, float]:
@@ -83,17 +77,17 @@ def store_io(
     shutil.rmtree(os.path.join(directory, "bench"), ignore_errors=True)
     store = open_store("nvme", like, path=directory, name="bench", pool=pool, **options)
     try:
-        t0, c0 = time.perf_counter(), process_cpu_s()
+        t0, c0 = time.perf_counter(), own_cpu_s()
         for i in range(layers):
             store.write(i, layer)
         store.flush()
         syncfs(store.directory)
-        write_s, write_cpu = time.perf_counter() - t0, process_cpu_s() - c0
+        write_s, write_cpu = time.perf_counter() - t0, own_cpu_s() - c0
         cold = cold and drop_page_cache()
-        t0, c0 = time.perf_counter(), process_cpu_s()
+        t0, c0 = time.perf_counter(), own_cpu_s()
         for (tree,) in ReadAhead([[Read("w", store, i)] for i in range(layers)], depth):
             tree["w"].block_until_ready()
-        read_s, read_cpu = time.perf_counter() - t0, process_cpu_s() - c0
+        read_s, read_cpu = time.perf_counter() - t0, own_cpu_s() - c0
     finally:
         store.close()
         shutil.rmtree(store.directory, ignore_errors=True)

@@ -158,8 +158,6 @@ def disk_efficiency(device: dict, tier: dict, rates: dict) -> float:
         >>> disk_efficiency({"timed_s": 1.0}, tier, rates)
         0.8
     """
-    if "read_per_step" not in tier or tier["timed_s"] <= 0:
-        return 1.0
     disk = disk_seconds(tier["read_per_step"], tier["written_per_step"], rates)
     if disk <= device["timed_s"] + tier.get("io_cpu_s", 0.0):
         return 1.0
