@@ -145,6 +145,24 @@ def test_small_groups_are_read_further_ahead_within_depth_largest_groups_bytes(t
     assert max(ahead) == 4
 
 
+def test_a_group_not_ready_is_passed_over_and_read_at_its_turn(tmp_path):
+    """Group 1 waits on something group 0's consumer does: groups 2-4 are read meanwhile, group 1 once it is
+    ready, before its turn."""
+    with open_store("host", _like(), path=str(tmp_path)) as store:
+        store.write_all(jax.tree.map(lambda *x: np.stack(x), *[_layer(i) for i in range(L)]))
+        done: set = set()
+        groups = [[Read("w", store, 0)], [Read("w", store, 1, ready=lambda: 0 in done)]]
+        groups += [[Read("w", store, i)] for i in range(2, 5)]
+        prefetcher = ReadAhead(groups, depth=3)
+        (first,) = next(prefetcher)
+        assert [e.layer for e in prefetcher.events] == [0, 2, 3]  # 1 passed over, not holding back 2 and 3
+        done.add(0)
+        got = [first] + [layer for (layer,) in prefetcher]
+    assert [e.layer for e in prefetcher.events] == [0, 2, 3, 1, 4]
+    for i, layer in enumerate(got):
+        np.testing.assert_array_equal(layer["w"], np.full((ROWS, 64), i, np.float32))
+
+
 def test_read_after_write_sees_the_last_write_under_concurrency(tmp_path):
     pool = BufferPool(3 * LAYER_BYTES)
     with open_store("nvme", _like(), path=str(tmp_path), pool=pool, write_threads=4, read_threads=4) as store:

@@ -11,7 +11,11 @@ the consumer works on the current one, and more while the groups ahead hold no m
 small groups (the 29 vocabulary chunks of gpt2-small's embedding, each a few milliseconds of
 compute behind its optimizer state's read) are read far enough ahead that the disk keeps pace.
 A read may carry a readiness test (an activation checkpoint must be written before it is read
-back); issuing stops at the first group that is not ready.
+back, a layer the forward keeps for its backward must have been computed): a group not ready is
+passed over and issued once it is, at the latest when its turn comes, so that the groups behind it
+are read meanwhile (gpt2-small's backward read its first blocks' optimizer state only after the
+forward of every vocabulary chunk, whose backward takes what that forward kept: 0.27 s of a 2.7 s
+step with the disk idle).
 """
 
 from __future__ import annotations
@@ -79,8 +83,9 @@ class ReadAhead:
         self.events: list[ReadEvent] = []
         self.stall_s = 0.0
         self.max_ahead = 0
-        self._pending: collections.deque = collections.deque()
-        self._issued = 0
+        self._pending: dict[int, list] = {}  # the issued groups not yet consumed: their futures, by index
+        self._waiting: list[int] = []  # groups passed over while not ready, not yet issued
+        self._next = 0  # the first group neither issued nor waiting
         self._consumed = 0
 
     def __iter__(self):
@@ -90,44 +95,50 @@ class ReadAhead:
         if self._consumed >= len(self.groups):
             raise StopIteration
         current = self._consumed
-        self._fill(current)
-        if not self._pending:  # the group was not ready ahead of time: issue it now
-            self._issue(self.groups[self._issued])
-        futures = self._pending.popleft()
+        self._fill(current, due=current)
+        futures = self._pending.pop(current)
         self.max_ahead = max(self.max_ahead, len(self._pending))
         self._consumed += 1
         start = time.perf_counter()
         results = [f.result() for f in futures]
         self.stall_s += time.perf_counter() - start
-        self._fill(current)  # while group `current` is worked on: the groups after it
+        self._fill(current, due=-1)  # while group `current` is worked on: the groups after it, when ready
         return results
 
-    def _fill(self, current: int) -> None:
-        """Issues group ``current`` if not yet, then up to ``depth`` groups after it."""
-        while self._issued < len(self.groups):
-            k = self._issued
+    def _fill(self, current: int, due: int) -> None:
+        """Issues the groups up to ``due`` (ready or not: their turn has come), then up to ``depth`` groups after
+        ``current``, and more within the allowance; a group not ready yet is passed over until it is."""
+        for k in [k for k in self._waiting if k <= due or _ready(self.groups[k])]:
+            self._waiting.remove(k)
+            self._issue(k)
+        while self._next < len(self.groups):
+            k = self._next
             if k > current + self.depth and not self._within_allowance(current, k):
                 return
-            group = self.groups[k]
-            if k > self._consumed and not all(r.ready is None or r.ready() for r in group):
-                return
-            self._issue(group)
+            self._next += 1
+            if k > due and not _ready(self.groups[k]):
+                self._waiting.append(k)
+            else:
+                self._issue(k)
 
     def _within_allowance(self, current: int, k: int) -> bool:
         """Whether groups ``current+1..k`` hold no more of any memory kind than ``depth`` of the largest group."""
         ahead = self._ends[k] - self._ends[current]
         return all(n <= self._allowance[kind] for kind, n in ahead.items())
 
-    def _issue(self, group: list[Read]) -> None:
+    def _issue(self, k: int) -> None:
         futures = []
-        for r in group:
+        for r in self.groups[k]:
             event = ReadEvent(r.track, r.layer, time.perf_counter())
             self.events.append(event)
             fut = r.store.read(r.layer, r.keys, r.memory_kind)
             fut.add_done_callback(lambda _, e=event: setattr(e, "complete_t", time.perf_counter()))
             futures.append(fut)
-        self._pending.append(futures)
-        self._issued += 1
+        self._pending[k] = futures
+
+
+def _ready(group: list[Read]) -> bool:
+    return all(r.ready is None or r.ready() for r in group)
 
 
 def _bytes_by_kind(group: list[Read]) -> collections.Counter:
