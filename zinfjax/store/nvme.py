@@ -237,8 +237,15 @@ class NvmeStore(LayerStore):
 
     def hands_over(self, i: int) -> bool:
         """Every read is a fresh buffer of its own (never the pool's, never the file's): a computation may take it
-        over."""
-        return True
+        over, except where it was read in place (direct chunk I/O on the CPU backend, `_read_in_place`). XLA
+        cannot take over memory it adopted: it copies a donated array of it into a fresh buffer first, on the
+        thread that runs the computation, so an update donating Adam's m and v of 64 MB each took 77 ms against
+        34 ms without donating them (and 10 ms with arrays of XLA's own)."""
+        return not self._reads_in_place()
+
+    def _reads_in_place(self) -> bool:
+        return self.chunk_io == "direct" and all(
+            d.platform == "cpu" for lay in self.layouts for s in lay.shards for d in s.devices)
 
     def _start_read(self, i: int, after: list[Future], ks: list[int], memory_kind: str) -> Future:
         return self._readers.submit(self._read_layer, i, after, ks, memory_kind)
@@ -291,7 +298,7 @@ class NvmeStore(LayerStore):
     def _read_layer(self, i: int, after: list[Future], ks: list[int], memory_kind: str):
         wait_after(i, after)
         plan = [(k, s) for k in ks for s in self.layouts[k].shards if s.devices]
-        if self.chunk_io == "direct" and all(d.platform == "cpu" for _, s in plan for d in s.devices):
+        if self._reads_in_place():
             out = self._read_in_place(i, plan, ks, memory_kind)
         else:
             out = self._read_staged(i, plan, ks, memory_kind)
