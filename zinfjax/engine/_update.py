@@ -113,8 +113,8 @@ class Updates:
     def _donated(self, group: str, i: int, has_state: bool, grads: list) -> tuple[int, ...]:
         """The fused update's arguments (master 0, gradients 1, state 2) whose buffers its outputs may take over
         (docs/design.md, invariant 2): its own gradient, and the master and state its stores hand over
-        (`LayerStore.hands_over`: fresh buffers read from NVMe, or an in-memory tier's own arrays, which the
-        outputs replace there at once).
+        (`LayerStore.hands_over`: fresh buffers read from NVMe off the CPU backend, or an in-memory tier's own
+        arrays, which the outputs replace there at once).
 
         JAX gives each output the first donated argument of its shape and dtype, in argument order, and the
         outputs are (compute copy, master, state). So only sets in which every output then takes its own

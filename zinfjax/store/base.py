@@ -119,8 +119,9 @@ class LayerStore:
 
     def hands_over(self, i: int) -> bool:
         """Whether a computation may take over the buffers a read of layer ``i`` returns, its outputs being
-        written back to this store right after: true for the nvme tier, whose reads are fresh buffers, and
-        for a tier in memory whose layer ``i`` no checkpoint snapshot holds (`zinfjax.store.memory.MemoryStore`).
+        written back to this store right after: true for the nvme tier, whose reads are fresh buffers (except
+        those it reads in place on the CPU backend, which XLA would copy before taking over), and for a tier in
+        memory whose layer ``i`` no checkpoint snapshot holds (`zinfjax.store.memory.MemoryStore`).
 
         Example:
             >>> store.hands_over(3)  # doctest: +SKIP
