@@ -20,18 +20,20 @@ test: $(STAMP)
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15 -m "not wide and not soak"  # two workers: one per core; soak: make test-all
 	$(MAKE) --no-print-directory test-portable
 
-# The bf16/fp16 tolerances again, under a second kernel path: XLA's code capped at SSE4.2 sums in another order
-# than the AVX-512 code it makes on these machines, as another CPU would (docs/engine.md, "Exactness"). That
-# code cannot convert fp16 (XLA's JIT fails to find the conversion without F16C): fp16 runs on the default path alone.
+# Every numeric test again (a tolerance, or bits against another computation), under a second kernel path: XLA's
+# code capped at SSE4.2 sums in another order than the AVX-512 or AVX2 code it makes on these machines, as another
+# CPU would (docs/engine.md, "What may differ between machines"). That code cannot convert fp16 (XLA's JIT fails to
+# find the conversion without F16C): fp16 runs on the default path alone.
+PORTABLE := XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 $(VENV)/bin/pytest -q -n 2 --dist loadfile -k "not fp16"
+
 test-portable: $(STAMP)
-	XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 $(VENV)/bin/pytest -q -n 2 --dist loadfile -m "low_precision and not wide" \
-		-k "not fp16"
+	$(PORTABLE) -m "numeric and not wide and not soak"
 
 test-all: $(STAMP)  # the wide corners of the test matrices too
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15
-	XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 $(VENV)/bin/pytest -q -n 2 --dist loadfile -m low_precision -k "not fp16"
+	$(PORTABLE) -m "numeric and not soak"
 
 fuzz: $(STAMP)  # the property tests with a fresh draw each run (make test draws the same examples every time)
 	HYPOTHESIS_PROFILE=explore $(VENV)/bin/pytest -q tests/test_fuzz.py

@@ -35,3 +35,12 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """A low-precision test is a numeric one too: `make test-portable` runs every numeric test (pyproject.toml)."""
+    import pytest
+
+    for item in items:
+        if item.get_closest_marker("low_precision"):
+            item.add_marker(pytest.mark.numeric)

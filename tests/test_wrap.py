@@ -3,14 +3,17 @@
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from flax.training import train_state
 
 import zinfjax
-from tests.support.engine_helpers import batches, config, initial_params, reference_run
+from tests.support.engine_helpers import batches, config, exact_run, initial_params, reference_run
+from tests.support.tolerances import assert_loss_no_farther
 from zinfjax import models
 
 
+@pytest.mark.numeric
 def test_wrapping_a_linen_train_state_trains_like_the_reference(tmp_path):
     c = config(params="nvme", optimizer="host", nvme_path=str(tmp_path))
     model = models.build(c.model)
@@ -22,7 +25,9 @@ def test_wrapping_a_linen_train_state_trains_like_the_reference(tmp_path):
             state, metrics = state.train_step(next(data))
             losses.append(metrics["loss"])
         assert state.step == 3 and metrics["read_bytes_nvme"] > 0
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    # no farther from the reference loop run in float64 than the fp32 loop is (tests/support/tolerances.py); three
+    # steps leave the losses within a few units of fp32, where the order of a loss's mean over its tokens decides
+    assert_loss_no_farther(exact_run(config(), steps=3)[0], ref_losses, losses, terms=c.batch_size * c.seq_len)
 
 
 def test_wrapping_an_nnx_optimizer_trains_and_syncs_back_into_the_model(tmp_path):

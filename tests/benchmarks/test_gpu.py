@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 
+from tests.support.xla_flags import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(*args, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()  # one device, as a user's process has; its assertions are on bytes and placements, not speed
     return subprocess.run([sys.executable, "bench/gpu.py", "--dir", str(tmp_path / "gpu"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 

@@ -21,8 +21,9 @@ import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
 
-from tests.support.engine_helpers import _tx, batches, config, initial_params, make_engine
+from tests.support.engine_helpers import _tx, batches, config, exact_run, initial_params, make_engine
 from tests.support.mounts import tmpfs
+from tests.support.tolerances import assert_loss_no_farther
 from zinfjax._util.byte_sizes import format_bytes
 from zinfjax.checkpoint import (
     CheckpointCorruptError,
@@ -60,6 +61,7 @@ def losses_after(engine, c, position, steps):
     return [engine.train_step(next(data))["loss"] for _ in range(steps)]
 
 
+@pytest.mark.numeric
 def test_stage3_nvme_on_8_devices_restores_at_stage1_in_memory_on_2(tmp_path):
     """Saved asynchronously mid-run at stage 3 / 8 devices / nvme; restored at stage 1 / 2 devices / device."""
     c = config(stage=3, mesh="data:8", nvme_path=str(tmp_path / "nvme"), **NVME)
@@ -83,7 +85,10 @@ def test_stage3_nvme_on_8_devices_restores_at_stage1_in_memory_on_2(tmp_path):
     assert source.step == restored.step_count == 2
     resumed = losses_after(restored, c2, source.data_position, 3)
     restored.close()
-    np.testing.assert_allclose(resumed, losses[2:], rtol=1e-6)
+    # steps 3-5 sum over 2 devices, not 8: no farther from the reference loop in float64 (the same 5 steps) than the
+    # uninterrupted run is (tests/support/tolerances.py); five steps leave the losses within a few units of fp32,
+    # where the order of a loss's mean over its tokens decides
+    assert_loss_no_farther(exact_run(config(), 5)[0][2:], losses[2:], resumed, terms=c.batch_size * c.seq_len)
 
 
 def run_cli(args: list[str]) -> subprocess.CompletedProcess:
@@ -97,6 +102,7 @@ def log_steps(path) -> list[dict]:
 
 
 @pytest.mark.slow  # about 33 s in CI: three training processes
+@pytest.mark.numeric
 def test_resume_in_a_new_process_is_bitwise(tmp_path):
     """Train 10 steps saving at 5; a new process resumes from 5 (other tiers) and steps 6-10 match bitwise.
 
@@ -201,6 +207,7 @@ def test_info_and_bf16_export(tmp_path):
         np.testing.assert_array_equal(a.astype(jnp.bfloat16), b)
 
 
+@pytest.mark.numeric  # the run from the written checkpoint equals the run from the params, bit for bit
 def test_writer_builds_a_checkpoint_leaf_by_leaf(tmp_path):
     """A converter's path: every leaf written layer by layer; the run from it equals the run from the params."""
     c = config(mesh="data:1")

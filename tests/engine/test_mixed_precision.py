@@ -86,7 +86,8 @@ def _reads_per_step(c, steps: int = 3):
         engine.close()
 
 
-@pytest.mark.parametrize("mesh, stage", [("data:1", 0), ("data:2", 3)])
+@pytest.mark.numeric
+@pytest.mark.parametrize("mesh, stage", [pytest.param("data:1", 0, marks=pytest.mark.wide), ("data:2", 3)])
 def test_the_backward_casts_the_compute_copy_from_the_master_the_update_reads(tmp_path, mesh, stage):
     """With the compute copy on NVMe, a layer's backward takes it from the fp32 master its fused update reads,
     cast as the update casts it, instead of reading it again: the run is bit for bit the one that reads it

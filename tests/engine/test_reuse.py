@@ -82,7 +82,7 @@ def test_a_negative_distance_is_refused():
         Config(max_reuse_distance=-1)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.wide), "bf16"])
 def test_unset_keeps_the_head_and_hands_the_first_layers_over_bitwise_the_run_that_keeps_none(tmp_path, precision):
     """gpt2-tiny's program is gpt2-small's: embedding chunks, wpe, blocks, ln_f, the tied head's chunks, loss."""
     c = config(stage=3, precision=precision, params="nvme", optimizer="nvme", nvme_path=str(tmp_path / "nvme"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 import transformers
 
 from tests.support.engine_helpers import batches, config, make_engine
+from tests.support.tolerances import assert_loss_no_farther, in_float64
 from tests.support.xla_flags import child_env
 from zinfjax import Config, models
 from zinfjax.checkpoint import CheckpointManager
@@ -51,6 +53,7 @@ def trained_checkpoint(tmp_path_factory):
     return str(root / "ckpt"), params
 
 
+@pytest.mark.numeric  # tokens from the same arithmetic, equal
 def test_greedy_from_nvme_equals_in_memory_and_the_uncached_model(trained_checkpoint, tmp_path):
     path, params = trained_checkpoint
     memory = generate(path, PROMPTS, 10, Config())
@@ -62,6 +65,7 @@ def test_greedy_from_nvme_equals_in_memory_and_the_uncached_model(trained_checkp
     assert memory.tokens[0] == full_forward_greedy(model, params, PROMPTS[0], 10)
 
 
+@pytest.mark.numeric  # greedy tokens equal transformers': argmaxes of logits computed by both
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_greedy_equals_transformers_generate(tmp_path, arch):
     torch.manual_seed(0)
@@ -82,6 +86,7 @@ def test_greedy_equals_transformers_generate(tmp_path, arch):
     assert got.tokens == want.tolist()
 
 
+@pytest.mark.numeric  # tokens from the same arithmetic, equal
 def test_sampling_is_seeded_and_top_k_1_is_greedy(trained_checkpoint):
     path, _ = trained_checkpoint
     sample = lambda **kw: generate(path, PROMPTS[:1], 12, Config(), Sampling(**kw)).tokens  # noqa: E731
@@ -91,6 +96,7 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(trained_checkpoint):
     assert sample(temperature=0.7, top_p=1e-6, seed=4) == sample()  # the nucleus keeps the most likely token
 
 
+@pytest.mark.numeric
 def test_evaluate_streams_the_loss_of_the_model(trained_checkpoint, tmp_path):
     path, params = trained_checkpoint
     c = Config(params="nvme", nvme_path=str(tmp_path), batch_size=4, seq_len=32, seed=5)
@@ -99,9 +105,15 @@ def test_evaluate_streams_the_loss_of_the_model(trained_checkpoint, tmp_path):
     from zinfjax.data import Batches, load_tokens
 
     data = Batches(load_tokens("demo"), 4, 32, 5)
-    want = [float(model.apply({"params": params}, b[:, :-1], b[:, 1:])) for b in (next(data), next(data))]
-    np.testing.assert_allclose(out["losses"], want, rtol=1e-6)
-    assert out["perplexity"] == pytest.approx(np.exp(np.mean(want)), rel=1e-6)
+    two = [next(data), next(data)]
+    want = [float(model.apply({"params": params}, b[:, :-1], b[:, 1:])) for b in two]
+    with jax.enable_x64(True):  # the model's losses in float64: the truth the fp32 ones are judged against
+        wide = models.build("gpt2-tiny", jnp.float64)
+        exact = [wide.apply({"params": in_float64(params)}, b[:, :-1], b[:, 1:]) for b in two]
+        assert all(x.dtype == jnp.float64 for x in exact)
+    # streamed, no farther from the losses in float64 than the whole model's in fp32 (tests/support/tolerances.py)
+    assert_loss_no_farther([float(x) for x in exact], want, out["losses"], terms=two[0][:, 1:].size)
+    assert out["perplexity"] == math.exp(float(np.mean(out["losses"])))  # the same arithmetic as evaluate's
 
 
 def test_bad_input_is_refused_clearly(trained_checkpoint, tmp_path):
@@ -129,6 +141,7 @@ def test_bad_input_is_refused_clearly(trained_checkpoint, tmp_path):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.numeric  # tokens from the same arithmetic, equal
 def test_cli_generate_json(trained_checkpoint, tmp_path):
     path, _ = trained_checkpoint
     cli = [sys.executable, "-m", "zinfjax.cli", "generate", path, "--prompt-ids", "72,101", "--max-new-tokens", "4",

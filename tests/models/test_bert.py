@@ -1,10 +1,16 @@
-"""The BERT encoder in the layered convention: the split equals the whole, and padding changes nothing."""
+"""The BERT encoder in the layered convention: the split equals the whole, and padding changes nothing.
+
+"Equals" where the sums run in another order (scanned against unrolled, a padded batch against a shorter one): no
+farther from the encoder in float64 than the fp32 encoder is, within ``SLACK`` (whole-array relative L2;
+tests/support/tolerances.py).
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.support.tolerances import assert_no_farther, in_float64
 from zinfjax import models
 from zinfjax.models import BertInputs, LayeredConventionError, check_params, get_layers, mean_pool
 
@@ -24,6 +30,15 @@ def model_and_params():
     return model, model.init(jax.random.key(0), batch())["params"]
 
 
+def exact(params, x):
+    """The whole encoder in float64 (``jax.enable_x64``) from the fp32 params: its hidden states and pooled output."""
+    with jax.enable_x64(True):
+        out = models.build(CONFIG, jnp.float64).apply({"params": in_float64(params)}, x)
+        assert out.hidden.dtype == out.pooled.dtype == jnp.float64  # no silent fp32
+        return np.asarray(out.hidden), np.asarray(out.pooled)
+
+
+@pytest.mark.numeric
 def test_blocks_are_stacked_and_the_split_equals_the_whole(model_and_params):
     model, params = model_and_params
     assert check_params(params) == CONFIG.n_layers
@@ -34,21 +49,27 @@ def test_blocks_are_stacked_and_the_split_equals_the_whole(model_and_params):
     for i in range(CONFIG.n_layers):
         h = layers.block(models.layer_slice(params["blocks"], i), h)
     split = layers.head(params["head"], params["embed"], h, None)
-    np.testing.assert_allclose(split.hidden, whole.hidden, rtol=1e-5, atol=1e-6)  # scan vs unrolled: rounding
-    np.testing.assert_allclose(split.pooled, whole.pooled, rtol=1e-5, atol=1e-6)
+    hidden, pooled = exact(params, x)  # scanned and unrolled differ in rounding only
+    assert_no_farther(hidden, np.asarray(whole.hidden), np.asarray(split.hidden))
+    assert_no_farther(pooled, np.asarray(whole.pooled), np.asarray(split.pooled))
     assert whole.hidden.shape == (2, 10, 32) and whole.pooled.shape == (2, 32)
 
 
+@pytest.mark.numeric
 def test_padding_does_not_change_the_real_tokens(model_and_params):
     model, params = model_and_params
     short = batch(length=6, real=(6, 6))
     padded = BertInputs(*(jnp.pad(a, ((0, 0), (0, 4))) for a in short))
     a = model.apply({"params": params}, short).hidden
     b = model.apply({"params": params}, padded).hidden
-    np.testing.assert_allclose(b[:, :6], a, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(mean_pool(b, padded.mask), mean_pool(a, short.mask), rtol=1e-5, atol=1e-6)
+    hidden, _ = exact(params, short)
+    assert_no_farther(hidden, np.asarray(a), np.asarray(b[:, :6]))
+    with jax.enable_x64(True):
+        pooled = np.asarray(mean_pool(jnp.asarray(hidden), short.mask))
+    assert_no_farther(pooled, np.asarray(mean_pool(a, short.mask)), np.asarray(mean_pool(b, padded.mask)))
 
 
+@pytest.mark.numeric  # the same arithmetic: bitwise
 def test_bare_ids_mean_no_padding_and_one_segment(model_and_params):
     model, params = model_and_params
     ids = batch().ids

@@ -104,6 +104,7 @@ def dense_setup(in_splits: int, out_splits: int, n_in: int = 32, out: int = 16):
     return layer, params, x, plain
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("in_splits,out_splits", SPLITS)
 def test_tiled_dense_is_dense_up_to_the_order_of_its_sums(in_splits, out_splits):
     layer, params, x, plain = dense_setup(in_splits, out_splits)
@@ -113,6 +114,7 @@ def test_tiled_dense_is_dense_up_to_the_order_of_its_sums(in_splits, out_splits)
     assert_within(rows_of(got), rows_of(want), 2 * gamma(32 + 1) * magnitude)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("in_splits,out_splits", SPLITS)
 def test_tiled_dense_gradients_are_denses(in_splits, out_splits):
     layer, params, x, plain = dense_setup(in_splits, out_splits)
@@ -127,6 +129,7 @@ def test_tiled_dense_gradients_are_denses(in_splits, out_splits):
     assert_within(rows_of(tiled[1]), rows_of(dense[1]), 2 * gamma(16) * np.abs(gs) @ np.abs(w).T)
 
 
+@pytest.mark.numeric
 def test_dot_general_takes_each_tiles_product():
     """``products.dot_general`` reaches the tiles: its bf16 VJP is in the gradient, and each output is one bf16
     rounding of the exact product (``in_splits = 1``: one product per output block)."""
@@ -181,6 +184,7 @@ def mlp_bounds(x, plain, lipschitz: float, ulps: int) -> dict:
     return {"h": h, "a": a, "e_h": e_h, "e_a": e_a, "e_y": e_y}
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name", ACTIVATIONS)
 def test_tiled_mlp_is_the_untiled_mlp(name):
     activation, lipschitz, ulps = ACTIVATIONS[name]
@@ -189,6 +193,7 @@ def test_tiled_mlp_is_the_untiled_mlp(name):
     assert_within(rows_of(got), rows_of(want), 2 * mlp_bounds(x, plain, lipschitz, ulps)["e_y"])
 
 
+@pytest.mark.numeric
 def test_tiled_mlp_gradients_are_the_untiled_mlps():
     """ReLU: given the same mask, the backward pass is linear, and each gradient is a product of its own length
     (``d`` for dA, ``rows`` for the weights and biases, ``d_ff`` for dx) from operands with the forward's errors."""
@@ -248,6 +253,7 @@ INITS = {"lecun_normal": nn.initializers.lecun_normal(), "glorot_uniform": nn.in
          "normal": nn.initializers.normal(0.02)}
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name", INITS)
 def test_tiles_have_the_whole_kernels_variance(name):
     """The sample variances of ``N`` values each, tiled and untiled, differ by a relative ``sqrt((kappa - 1) (1/N +
@@ -266,6 +272,7 @@ def test_tiles_have_the_whole_kernels_variance(name):
         6 * np.sqrt(2 * 2 / size)
 
 
+@pytest.mark.numeric
 def test_fan_scale_is_the_ratio_of_the_variance_scaling_spreads():
     i = nn.initializers
     assert fan_scale(i.lecun_normal(), (1024, 256), (256, 128)) == 0.5  # fan_in 1024 against 256
@@ -281,6 +288,7 @@ def test_fan_scale_is_the_ratio_of_the_variance_scaling_spreads():
 # ---- NNX: the Linen modules' results for the same weights --------------------------------------------
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("in_splits,out_splits", SPLITS)
 def test_nnx_tiled_dense_is_the_linen_one(in_splits, out_splits):
     layer, params, x, plain = dense_setup(in_splits, out_splits)
@@ -291,6 +299,7 @@ def test_nnx_tiled_dense_is_the_linen_one(in_splits, out_splits):
     assert_within(rows_of(module(x)), rows_of(layer.apply({"params": params}, x)), 2 * gamma(33) * magnitude)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name", ACTIVATIONS)
 def test_nnx_tiled_mlp_is_the_linen_one(name):
     activation, lipschitz, ulps = ACTIVATIONS[name]

@@ -44,22 +44,36 @@ def _tx(c: Config):
 
 def reference_run(c: Config, steps: int = STEPS):
     """Losses and final params of the in-memory reference trainer."""
-    model = models.build(c.model)
-    mesh = make_mesh(c.mesh_axes())
-    params = initial_params(c)
-    opt = jax.jit(_tx(c).init, out_shardings=replicated(mesh))(params)
-    step = make_step(lm_loss(model), _tx(c), mesh, c.grad_accum)
-    data, losses = batches(c), []
-    for _ in range(steps):
-        params, opt, loss = step(params, opt, next(data))
-        losses.append(float(loss))
-    return losses, jax.tree.map(np.asarray, params)
+    return _reference(c, steps, jnp.float32)
+
+
+@functools.cache
+def exact_run(c: Config, steps: int = STEPS):
+    """The reference trainer in float64 from the same fp32 initial params: the truth that fp32 runs are judged
+    against, whatever order they sum in (tests/support/tolerances.py). Cached: many tests ask for the same one."""
+    return _reference(c, steps, jnp.float64)
+
+
+def _reference(c: Config, steps: int, dtype):
+    with jax.enable_x64(dtype == jnp.float64):
+        model = models.build(c.model, dtype)
+        mesh = make_mesh(c.mesh_axes())
+        params = jax.tree.map(lambda x: x.astype(dtype), initial_params(c))
+        opt = jax.jit(_tx(c).init, out_shardings=replicated(mesh))(params)
+        step = make_step(lm_loss(model), _tx(c), mesh, c.grad_accum)
+        data, losses = batches(c), []
+        for _ in range(steps):
+            params, opt, loss = step(params, opt, next(data))
+            losses.append(float(loss))
+        return losses, jax.tree.map(np.asarray, params)
 
 
 @functools.cache
 def _host_params(model: str, seed: int, seq_len: int):
-    """Initial params on the host, computed once per model and seed (as `init_state` computes them)."""
-    params, _ = init_state(lm_init(models.build(model)), optax.identity(), make_mesh({"data": 1}), seed)
+    """Initial params on the host, computed once per model and seed (as `init_state` computes them); in fp32 even
+    where the first to ask is `exact_run`, under ``jax.enable_x64`` (which draws other values, some float64)."""
+    with jax.enable_x64(False):
+        params, _ = init_state(lm_init(models.build(model)), optax.identity(), make_mesh({"data": 1}), seed)
     return jax.tree.map(np.asarray, params)
 
 

@@ -16,8 +16,15 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 
 def child_env(devices: int | None = None, environ=None) -> dict[str, str]:
     """``environ`` (default: this process's) for a child that checks behaviour: XLA_FLAGS are the fast-compile
-    flags alone, with ``devices`` simulated CPU devices if given (else one, as a user's process has)."""
+    flags, with ``devices`` simulated CPU devices if given (else one, as a user's process has), and the kernel
+    path's cap where the parent has one (`make test-portable`), so a child computes as its test does.
+
+    >>> child_env(2, {"XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2 --xla_force_host_platform_device_count=8"})["XLA_FLAGS"]
+    '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_max_isa=SSE4_2 \
+--xla_force_host_platform_device_count=2'
+    """
     env = dict(os.environ if environ is None else environ)
-    count = f" --xla_force_host_platform_device_count={devices}" if devices else ""
-    env["XLA_FLAGS"] = FAST_COMPILE + count
+    cap = [f for f in env.get("XLA_FLAGS", "").split() if f.startswith("--xla_cpu_max_isa=")]
+    count = [f"--xla_force_host_platform_device_count={devices}"] if devices else []
+    env["XLA_FLAGS"] = " ".join([FAST_COMPILE, *cap, *count])
     return env

@@ -23,7 +23,9 @@ ARGS = {
     "lora_nnx.py": ["--steps", "2", "--nvme-path", "{tmp}/nvme"],
     "vit_linen.py": ["--steps", "2", "--size", "tiny", "--batch-size", "2", "--nvme-path", "{tmp}/nvme"],
 }
-SLOW: set[str] = set()
+# The ViT and BERT scripts are wide (make test-all): make test trains the same models with dropout, a mask and
+# stage 3 in tests/test_any_model.py, and runs the other examples here.
+WIDE = {"bert_mlm_linen.py", "vit_linen.py"}
 # Run for real elsewhere, with more to check than a finite loss.
 ELSEWHERE = {"finetune_hf.py": "tests/interop/test_convert.py::"
                                "test_the_example_fine_tunes_a_converted_model_and_transformers_scores_it_better"}
@@ -36,7 +38,7 @@ def test_every_example_is_covered():
         assert f"def {name}(" in (ROOT / path).read_text() and script in (ROOT / path).read_text()
 
 
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in ARGS])
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.wide) if s in WIDE else s for s in ARGS])
 def test_example_runs_with_a_finite_loss(script, tmp_path):
     args = [a.format(tmp=tmp_path) for a in ARGS[script] or []]
     # One CPU device, as a user's process, compiled as the tests compile (tests.support.xla_flags): the test asks

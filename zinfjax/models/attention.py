@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 
+from zinfjax.models.products import accumulator
+
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal softmax attention over (B, T, H, D) inputs; k and v may have fewer heads (GQA).
@@ -44,8 +46,9 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
     if groups > 1:
         k = jnp.repeat(k, groups, axis=2)
         v = jnp.repeat(v, groups, axis=2)
-    scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1])).astype(q.dtype)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q * scale, k).astype(jnp.float32)
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    wide = accumulator(q.dtype)
+    scale = 1.0 / jnp.sqrt(jnp.asarray(q.shape[-1], wide)).astype(q.dtype)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q * scale, k).astype(wide)
+    scores = jnp.where(mask, scores, jnp.finfo(wide).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from zinfjax._util.choices import GROUPS
 from zinfjax.errors import UserError
+from zinfjax.models.products import accumulator
 
 Params = Any
 DOCS = "docs/layered.md"
@@ -124,8 +125,8 @@ def loss_fn(layers: Layers, params: Params, tokens: jax.Array, targets: jax.Arra
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean token cross-entropy, computed in float32."""
-    logits = logits.astype(jnp.float32)
+    """Mean token cross-entropy, computed in float32 (or the logits' own dtype where it is wider)."""
+    logits = logits.astype(accumulator(logits.dtype))
     logz = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.mean(logz - picked)

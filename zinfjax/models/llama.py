@@ -21,6 +21,7 @@ from zinfjax.models import products
 from zinfjax.models.attention import cached_attention, causal_attention
 from zinfjax.models.configs import ModelConfig
 from zinfjax.models.lora import adapted
+from zinfjax.models.products import accumulator
 from zinfjax.models.stacked import StackedLM
 from zinfjax.models.tiling import DenseWeights, contract, tile_view, tiled_sum
 from zinfjax.models.vocab import VocabTable, cross_entropy, lookup
@@ -32,12 +33,13 @@ normal = nn.initializers.normal
 def rotary(x: jax.Array, theta: float, offset: Any = 0) -> jax.Array:
     """Applies rotary embeddings to (B, T, H, D) at positions ``offset, offset+1, ...`` (rotate-half layout)."""
     t, d = x.shape[1], x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles = (offset + jnp.arange(t)).astype(jnp.float32)[:, None] * inv_freq[None, :]
+    wide = accumulator(x.dtype)
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=wide) / d))
+    angles = (offset + jnp.arange(t)).astype(wide)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = x.astype(jnp.float32) * jnp.cos(angles) + rotated.astype(jnp.float32) * jnp.sin(angles)
+    out = x.astype(wide) * jnp.cos(angles) + rotated.astype(wide) * jnp.sin(angles)
     return out.astype(x.dtype)
 
 

@@ -36,9 +36,20 @@ ROWS_BY_COLUMNS = (((1,), (0,)), ((), ()))  # a @ b, both 2-D
 ROWS_BY_ROWS = (((1,), (1,)), ((), ()))  # a @ b.T
 
 
+def accumulator(dtype) -> jnp.dtype:
+    """The dtype sums of ``dtype`` values are taken in: fp32, or ``dtype`` itself where it is wider (float64, in the
+    tests' runs that stand for the exact computation).
+
+    Example:
+        >>> accumulator(jnp.bfloat16), accumulator(jnp.float32)
+        (dtype('float32'), dtype('float32'))
+    """
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _product(a: jax.Array, b: jax.Array, dims, dtype) -> jax.Array:
-    """``dot_general`` accumulated in fp32 and rounded once to ``dtype``."""
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(dtype)
+    """``dot_general`` accumulated in fp32 (or wider operands' own dtype) and rounded once to ``dtype``."""
+    return lax.dot_general(a, b, dims, preferred_element_type=accumulator(a.dtype)).astype(dtype)
 
 
 def _row_major_transpose(a: jax.Array) -> jax.Array:

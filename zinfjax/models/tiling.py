@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zinfjax.models import products
+from zinfjax.models.products import accumulator
 from zinfjax.models.tiled import UNROLL
 
 
@@ -82,9 +83,10 @@ def tiled_sum(fn: Callable, x: jax.Array, tiles: tuple, dtype: Any) -> jax.Array
     """``sum_t fn(x, tile_t)`` over the stacked ``tiles``, in fp32 and in order, as a ``lax.scan`` (``x`` a const)."""
 
     def body(acc, tile):
-        return acc + fn(x, *tile).astype(jnp.float32), None
+        return acc + fn(x, *tile).astype(wide), None
 
-    acc, _ = jax.lax.scan(body, jnp.zeros((*x.shape[:-1], _out_width(fn, x, tiles)), jnp.float32), tiles,
+    wide = accumulator(dtype)
+    acc, _ = jax.lax.scan(body, jnp.zeros((*x.shape[:-1], _out_width(fn, x, tiles)), wide), tiles,
                           unroll=UNROLL)
     return acc.astype(dtype)
 

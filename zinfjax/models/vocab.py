@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zinfjax.models.products import dense
+from zinfjax.models.products import accumulator, dense
 
 CHUNK_BYTES = 8 << 20  # fp32 bytes of one chunk of the table
 MIN_CHUNKS = 4
@@ -87,7 +87,7 @@ def cross_entropy(h: jax.Array, table: jax.Array, targets: jax.Array, chunks: in
     def body(carry, xs):
         high, total, picked = carry
         part, start = xs
-        logits = dense(h, part.astype(dtype), w_rows=True).astype(jnp.float32)
+        logits = dense(h, part.astype(dtype), w_rows=True).astype(wide)
         logits = jnp.where(start + jnp.arange(rows) < vocab, logits, -jnp.inf)
         new_high = jax.lax.stop_gradient(jnp.maximum(high, jnp.max(logits, axis=-1)))
         total = total * jnp.exp(high - new_high) + jnp.sum(jnp.exp(logits - new_high[..., None]), axis=-1)
@@ -96,7 +96,8 @@ def cross_entropy(h: jax.Array, table: jax.Array, targets: jax.Array, chunks: in
         mine = jnp.take_along_axis(logits, jnp.clip(local, 0, rows - 1)[..., None], axis=-1)[..., 0]
         return (new_high, total, picked + jnp.where(hit, mine, 0.0)), None
 
-    init = (jnp.full(lead, -jnp.inf, jnp.float32), jnp.zeros(lead, jnp.float32), jnp.zeros(lead, jnp.float32))
+    wide = accumulator(dtype)
+    init = (jnp.full(lead, -jnp.inf, wide), jnp.zeros(lead, wide), jnp.zeros(lead, wide))
     (high, total, picked), _ = jax.lax.scan(body, init, (parts, starts))
     return jnp.mean(high + jnp.log(total) - picked)
 
