@@ -102,7 +102,6 @@ def log_steps(path) -> list[dict]:
 
 
 @pytest.mark.slow  # about 33 s in CI: three training processes
-@pytest.mark.numeric
 def test_resume_in_a_new_process_is_bitwise(tmp_path):
     """Train 10 steps saving at 5; a new process resumes from 5 (other tiers) and steps 6-10 match bitwise.
 
@@ -207,7 +206,6 @@ def test_info_and_bf16_export(tmp_path):
         np.testing.assert_array_equal(a.astype(jnp.bfloat16), b)
 
 
-@pytest.mark.numeric  # the run from the written checkpoint equals the run from the params, bit for bit
 def test_writer_builds_a_checkpoint_leaf_by_leaf(tmp_path):
     """A converter's path: every leaf written layer by layer; the run from it equals the run from the params."""
     c = config(mesh="data:1")

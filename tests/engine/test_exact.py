@@ -22,6 +22,7 @@ NUMERICS = {
 
 
 SHORT = 5
+pytestmark = pytest.mark.numeric  # every test here holds the engine to the float64 loop too
 
 
 @pytest.fixture(scope="module")

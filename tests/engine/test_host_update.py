@@ -43,7 +43,6 @@ SHORT = 3  # steps: bitwise equal after 3 is bitwise equal after any number
 
 # nvme-stage3 is wide (make test-all): make test has the host update at stage 3 against the reference below, and
 # with its state on nvme in fp16 and bf16-parts.
-@pytest.mark.numeric
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.wide) if c == "nvme-stage3" else c
                                   for c in CASES])
 def test_the_update_on_the_host_is_bitwise_the_update_on_the_device(tmp_path, case):

@@ -86,7 +86,6 @@ def _reads_per_step(c, steps: int = 3):
         engine.close()
 
 
-@pytest.mark.numeric
 @pytest.mark.parametrize("mesh, stage", [pytest.param("data:1", 0, marks=pytest.mark.wide), ("data:2", 3)])
 def test_the_backward_casts_the_compute_copy_from_the_master_the_update_reads(tmp_path, mesh, stage):
     """With the compute copy on NVMe, a layer's backward takes it from the fp32 master its fused update reads,

@@ -121,7 +121,6 @@ def test_tiled_engine_is_the_untiled_loop_wide(name, tiles, extra, tmp_path):
     _exact(name, tiles, extra, tmp_path)
 
 
-@pytest.mark.numeric
 def test_one_tile_count_is_bitwise_across_tiers(tmp_path):
     device_losses, device_params, _ = tiled_run(config(), 4, steps=5)
     nvme_losses, nvme_params, _ = tiled_run(config(**NVME, nvme_path=str(tmp_path)), 4, steps=5)

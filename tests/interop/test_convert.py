@@ -174,7 +174,6 @@ def test_zinfjax_train_continues_a_converted_model_from_its_checkpoint(hf, tmp_p
     assert read_meta(str(run / "3"))["model"] == read_meta(str(run / "0"))["model"]
 
 
-@pytest.mark.numeric  # transformers' logits from the round trip equal the original's, bit for bit
 def test_hf_to_zinfjax_to_hf_is_bitwise_and_transformers_loads_it(hf, tmp_path, capsys):
     for name in ("gpt2", "llama-gqa"):
         src, model = hf[name]
