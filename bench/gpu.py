@@ -32,6 +32,8 @@ import statistics
 import subprocess
 import sys
 
+from zinfjax.benchmarks.children import one_device_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLACEMENTS = {
     "host": dict(params="host", optimizer="host", gradients="device", activations="device"),
@@ -87,7 +89,7 @@ def train(args, name: str, tiers: dict) -> dict:
             "grad_accum": args.grad_accum, "steps": args.steps, "nvme_path": os.path.join(args.dir, "nvme", name),
             "log": log, "mesh": "data:1", **tiers,
             "update_on": args.update_on if tiers["optimizer"] != "device" else "auto"}  # the state is where it runs
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = one_device_env()  # one CPU device, as a user's process
     env["JAX_PLATFORMS"] = args.platform
     cmd = [sys.executable, "-m", "zinfjax.cli", "train", "--quiet", *[a for k, v in sets.items()
                                                                       for a in ("--set", f"{k}={v}")]]

@@ -23,6 +23,8 @@ import statistics
 import subprocess
 import sys
 
+from zinfjax.benchmarks.children import one_device_env
+
 MODELS = {
     "gpt2-21M": {"d_model": 384, "n_layers": 12, "n_heads": 6},
     "gpt2-101M": {"d_model": 512, "n_layers": 32, "n_heads": 8},
@@ -45,7 +47,7 @@ def model_file(directory: str, name: str, shape: dict) -> str:
 
 
 def zinfjax(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user's process
+    env = one_device_env()  # one CPU device, as a user's process
     out = subprocess.run([sys.executable, "-m", "zinfjax.cli", *args], capture_output=True, text=True, env=env)
     if out.returncode:
         raise SystemExit(f"zinfjax {' '.join(args)} failed:\n{out.stderr[-3000:]}")

@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from zinfjax.benchmarks.children import one_device_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = ("memory", "device", "nvme")
 
@@ -113,7 +115,7 @@ def child(args) -> dict:
 
 
 def run_child(argv: list[str], run: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user's process
+    env = one_device_env()  # one CPU device, as a user's process
     out = subprocess.run([sys.executable, __file__, *argv, "--child", run], env=env, capture_output=True, text=True,
                          cwd=ROOT)
     if out.returncode != 0:

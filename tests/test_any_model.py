@@ -144,6 +144,7 @@ def test_float32_dropout_masks_are_the_fp32_runs():
             np.testing.assert_array_equal(jax.random.bernoulli(key, 0.9, (4096,)), want)
 
 
+@pytest.mark.wide
 def test_vit_at_stage3_on_8_devices_with_accumulation(tmp_path):
     config = vit_linen.SIZES["tiny"]
     tx = optax.adamw(1e-3, weight_decay=0.01)
@@ -160,6 +161,7 @@ def test_vit_at_stage3_on_8_devices_with_accumulation(tmp_path):
     assert_exact(exact, losses, ref_losses, params, ref_params, zero_gradient_leaves(loss_fn, state.params, batches[0]))
 
 
+@pytest.mark.wide
 def test_bert_masked_lm_with_dropout_keys_and_an_attention_mask(tmp_path):
     config = bert_mlm_linen.BertConfig()
     tx = optax.adamw(1e-3)

@@ -23,7 +23,7 @@ import pytest
 
 from zinfjax.benchmarks import soak
 
-SHORT = dict(steps=120, every=20, keep=3, warmup=40, span=40)  # warm-up: past the first save, which starts a thread
+SHORT = dict(steps=60, every=10, keep=3, warmup=20, span=20)  # warm-up: past the first save, which starts a thread
 
 
 def _soak(tmp_path, capsys, *args: str) -> dict:

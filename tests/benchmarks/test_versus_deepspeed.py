@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+from zinfjax.benchmarks.children import one_device_env
 from zinfjax.benchmarks.deepspeed_step import ds_config
 from zinfjax.benchmarks.versus_deepspeed import best_nvme, ratios
 
@@ -26,7 +27,7 @@ def hidden_deepspeed(tmp_path) -> str:
 
 
 def test_without_deepspeed_the_zinfjax_side_runs(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = one_device_env()  # one CPU device, as a user's process
     env["PYTHONPATH"] = os.pathsep.join([hidden_deepspeed(tmp_path), ROOT])
     out = subprocess.run(
         [sys.executable, "-m", "zinfjax.cli", "bench", "versus-deepspeed", "--dir", str(tmp_path / "bench"),

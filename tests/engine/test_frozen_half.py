@@ -227,6 +227,7 @@ def test_a_trainable_predicate_that_selects_nothing_or_everything_is_refused():
 
 
 @pytest.mark.numeric
+@pytest.mark.wide
 def test_a_global_norm_over_every_leaf_still_counts_the_masked_gradients(tmp_path):
     """``chain(clip_by_global_norm, multi_transform(...))`` clips by the norm of every gradient, the masked
     leaves' included: those leaves get no update, but their gradients are needed, so nothing is frozen (and spared)

@@ -25,6 +25,7 @@ import pytest
 
 from tests.support.engine_helpers import config, make_engine
 from zinfjax import Config
+from zinfjax.benchmarks.children import one_device_env
 from zinfjax.engine.budget import (
     HEAP_RESIDENT_FRACTION,
     LIVE_PER_DEPTH,
@@ -46,7 +47,7 @@ def train(model: ModelConfig, tmp_path, name: str) -> dict:
     model_file = tmp_path / f"{name}.json"
     model_file.write_text(json.dumps(model.__dict__))
     log = tmp_path / f"{name}-log.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user's process
+    env = one_device_env()  # one CPU device, as a user's process
     sets = [f"model={model_file}", "steps=3", "batch_size=2", "seq_len=32", "params=nvme", "optimizer=nvme",
             "gradients=nvme", "activations=nvme", f"nvme_path={tmp_path / name}", f"log={log}", "lr=1e-3",
             "memory_limit=1500MiB"]  # the same budget, and so the same buffers and read-ahead, for both runs
@@ -89,6 +90,7 @@ def test_peak_rss_does_not_grow_with_layers_when_state_is_on_nvme(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.wide
 def test_peak_rss_does_not_grow_with_the_vocabulary_when_state_is_on_nvme(tmp_path):
     """The embedding and tied head stream in row chunks of one size (3 MiB), so a larger vocabulary is more chunks."""
     base = ModelConfig.named("gpt2-mini").replace(n_layers=2, **WIDE)

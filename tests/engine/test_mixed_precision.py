@@ -107,7 +107,8 @@ def test_the_backward_casts_the_compute_copy_from_the_master_the_update_reads(tm
 # The last case splits each block's products over two devices (tensor parallelism) with their own VJP
 # (zinfjax.models.products), against the loop on one device.
 @pytest.mark.low_precision
-@pytest.mark.parametrize("precision, mesh", [("bf16", "data:1"), ("fp16", "data:1"), ("bf16", "data:1,model:2")])
+@pytest.mark.parametrize("precision, mesh", [("bf16", "data:1"), ("fp16", "data:1"),
+                                              pytest.param("bf16", "data:1,model:2", marks=pytest.mark.wide)])
 def test_mixed_precision_engine_equals_the_in_memory_mixed_loop(tmp_path, precision, mesh):
     c = config(precision=precision, mesh=mesh, params="nvme", optimizer="nvme", nvme_path=str(tmp_path))
     ref_losses, ref_master, ref_scale = mixed_reference(c)

@@ -72,7 +72,7 @@ def _dtype(c):
 
 
 @pytest.mark.numeric
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", pytest.param("llama-tiny", marks=pytest.mark.wide)])
 def test_tiles_are_a_view_of_the_same_parameters_initialised_a_tile_at_a_time(name):
     base = ModelConfig.named(name)
     whole = jax.jit(lm_init(models.build(base)))(jax.random.key(5))
@@ -93,7 +93,7 @@ def test_tiles_are_a_view_of_the_same_parameters_initialised_a_tile_at_a_time(na
 
 # make test: GPT-2 in 4 tiles and Llama (grouped-query attention) in 8; tiles at stage 3 are in make test through
 # tests/engine/test_tiles.py, and every count at both stages here in the wide form.
-CASES = [("gpt2-tiny", 4, {}), ("llama-tiny", 8, {})]
+CASES = [("gpt2-tiny", 4, {}), pytest.param("llama-tiny", 8, {}, marks=pytest.mark.wide)]
 WIDE = [(name, t, s) for name in ("gpt2-tiny", "llama-tiny") for t in (1, 2, 4, 8) for s in ({}, dict(stage=3))]
 
 
@@ -129,6 +129,7 @@ def test_one_tile_count_is_bitwise_across_tiers(tmp_path):
 
 
 @pytest.mark.low_precision
+@pytest.mark.wide
 def test_tiled_bf16_is_no_farther_from_fp32_than_untiled_bf16(tmp_path):
     def run(precision, tiles):
         c = config(precision=precision, **NVME, nvme_path=str(tmp_path / f"{precision}-{tiles}"))

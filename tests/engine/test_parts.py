@@ -154,7 +154,7 @@ def test_layers_are_cut_only_when_the_budget_needs_it(tmp_path):
 
 
 @pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.numeric),
-                                       pytest.param("bf16", marks=pytest.mark.low_precision)])
+                                       pytest.param("bf16", marks=[pytest.mark.low_precision, pytest.mark.wide])])
 def test_parts_equal_one_update_per_layer(tmp_path, precision):
     """Each leaf's update is the same computation whole or in parts, but XLA compiles a part's function on its own,
     so the master may differ in the last bit of fp32: the parts are no farther from the in-memory loop run in

@@ -94,6 +94,7 @@ def _chunks(step_dir) -> dict[str, str]:
 
 
 @pytest.mark.slow  # three training processes
+@pytest.mark.wide
 def test_a_checkpoint_resumes_bitwise_with_another_split(tmp_path):
     """Saved at step 3 with one split, resumed with another and with every part on NVMe: the step-6 checkpoints
     are the uninterrupted run's, file for file, and so are the losses."""

@@ -145,6 +145,7 @@ def test_each_tile_is_a_unit_and_the_run_is_the_in_memory_loop(tmp_path):
 
 
 @pytest.mark.numeric
+@pytest.mark.wide
 def test_tiles_at_stage_3_on_4_devices_with_accumulation(tmp_path):
     model, tx, data = TiledLM(), optax.adam(1e-3), batches()
     params, losses, out, _, _ = wrapped_run(model, tx, data, tmp_path, stage=3, mesh="data:4", grad_accum=2)
@@ -152,6 +153,7 @@ def test_tiles_at_stage_3_on_4_devices_with_accumulation(tmp_path):
 
 
 @pytest.mark.numeric
+@pytest.mark.wide
 def test_an_optimizer_of_several_sweeps_spools_each_tile(tmp_path):
     """lamb's trust ratio needs each leaf's norm over every tile of every layer: a second sweep."""
     model, tx, data = TiledLM(), optax.lamb(1e-2), batches(3)
@@ -212,6 +214,7 @@ def nnx_tiled_lm(rngs: nnx.Rngs, d: int = 32):
 
 
 @pytest.mark.numeric
+@pytest.mark.wide
 def test_nnx_blocks_with_a_tiled_mlp_stream_tile_by_tile_through_wrap(tmp_path):
     model, tx = nnx_tiled_lm(nnx.Rngs(0)), optax.adam(1e-3)
     pure_loss, pure = pure_loss_of(model)
@@ -251,6 +254,7 @@ class DenseLM(nn.Module):
 
 
 @pytest.mark.numeric
+@pytest.mark.wide
 def test_tiled_dense_layers_stream_tile_by_tile_through_wrap(tmp_path):
     model, tx, data = DenseLM(), optax.adamw(1e-3), batches()
     params, losses, out, groups, _ = wrapped_run(model, tx, data, tmp_path)

@@ -56,6 +56,7 @@ def check_matches(reference, path):
 
 
 @pytest.mark.slow
+@pytest.mark.wide
 def test_reference_two_processes_match_one_process(one_process_four_devices, tmp_path):
     log = tmp_path / "mp.json"
     out = launch(2, *ZINFJAX, "train", *RUN, "--set", f"log={log}", cwd=tmp_path)

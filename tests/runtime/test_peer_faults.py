@@ -158,7 +158,7 @@ def check_one_line(results, missing, count, quick=False):
         assert seconds < (TIMEOUT if quick else 2 * TIMEOUT + 5), seconds  # ours, long before XLA's (peers.py)
 
 
-@pytest.mark.parametrize(("count", "missing"), [(2, 0), (3, 1)])
+@pytest.mark.parametrize(("count", "missing"), [(2, 0), pytest.param(3, 1, marks=pytest.mark.wide)])
 def test_hung_peer_stops_the_others_blocked_in_a_collective(tmp_path, count, missing):
     """A stopped process (0, which holds the coordination service; or 1 of 3) while the others are blocked in a
     collective on it: the watchdog's threads run, the main thread waiting in C without the GIL. Of 3, process 2

@@ -7,15 +7,18 @@ import os
 import subprocess
 import sys
 
+from tests.support.xla_flags import child_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def start(settings: list[str], cache, save_dir, nvme_path, log, *extra: str) -> subprocess.Popen:
-    """A quiet ``zinfjax train`` with ``settings`` and ``extra``; the JAX compilation cache at ``cache`` spares
-    the runs of one test most of their start-up, as it would a user's."""
+    """A quiet ``zinfjax train`` with ``settings`` and ``extra``, on one device with the tests' compile flags. A
+    JAX compilation cache (the suite's where it has one, else ``cache``) spares the runs most of their start-up,
+    as it would a user's."""
     args = [a for s in [*settings, f"save_dir={save_dir}", f"nvme_path={nvme_path}", f"log={log}", *extra]
             for a in ("--set", s)]
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env = {"JAX_COMPILATION_CACHE_DIR": str(cache), **child_env(), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     return subprocess.Popen([sys.executable, "-m", "zinfjax.cli", "train", "--quiet", *args], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 

@@ -83,7 +83,8 @@ def _plain_run(built, tx, mesh, config, steps, exact=False):
 @pytest.mark.numeric
 @pytest.mark.parametrize("model,precision", [("gpt2-tiny", "fp32"),
                                              pytest.param("llama-tiny", "fp32", marks=pytest.mark.wide),
-                                             pytest.param("gpt2-tiny", "bf16", marks=pytest.mark.low_precision)])
+                                             pytest.param("gpt2-tiny", "bf16",
+                                                          marks=[pytest.mark.low_precision, pytest.mark.wide])])
 def test_the_trainer_keeps_each_blocks_products_and_follows_the_plain_loop(model, precision):
     """`zinfjax train`'s in-memory step differentiates through ``nn.remat`` (each block keeps its products and
     recomputes the rest); it follows the plain loop of the same model to float32 rounding in fp32. In bf16 the

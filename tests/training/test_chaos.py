@@ -28,6 +28,7 @@ import time
 import pytest
 
 from tests.support.train_runs import chunk_files as files
+from tests.support.xla_flags import child_env
 from zinfjax.checkpoint import complete_steps, read_meta
 from zinfjax.checkpoint.verify import verify_save_dir
 
@@ -40,7 +41,7 @@ def start(save_dir, steps: int, *settings) -> subprocess.Popen:
     """A ``zinfjax train`` process of ``steps`` steps; JAX's persistent compilation cache (beside ``save_dir``)
     spares the restarts most of their start-up, as it would a user's."""
     args = [a for s in [*SETTINGS, f"steps={steps}", f"save_dir={save_dir}", *settings] for a in ("--set", s)]
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.path.join(os.path.dirname(save_dir), "jax-cache"),
+    env = {"JAX_COMPILATION_CACHE_DIR": os.path.join(os.path.dirname(save_dir), "jax-cache"), **child_env(),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     return subprocess.Popen([sys.executable, "-m", "zinfjax.cli", "train", "--quiet", *args], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -202,6 +202,7 @@ def test_a_base_that_changed_is_refused_naming_both_digests(base, tmp_path, caps
 
 
 @pytest.mark.numeric
+@pytest.mark.wide
 def test_lora_dropout_is_exact_and_changes_the_run(tmp_path):
     c = Config(model="llama-tiny", **{**LORA, "batch_size": 16, "lr": 1e-2}, grad_accum=2, lora_dropout=0.3)
     ref, _, _ = trained(c, 4)

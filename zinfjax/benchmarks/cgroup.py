@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from zinfjax.benchmarks.children import one_device_env
+
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 
@@ -88,7 +90,7 @@ def train_in_cgroup(sets: list[str], limit: int, workdir: str, timeout: float = 
         os.remove(log)
     argv = [sys.executable, "-m", "zinfjax.cli", "train", "--quiet"]
     argv += [a for s in [*sets, f"log={log}"] for a in ("--set", s)]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user's process
+    env = one_device_env()  # one CPU device, as a user's process
     drop_caches()
     started = time.perf_counter()
     with MemoryCgroup(limit) as cg:

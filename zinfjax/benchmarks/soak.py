@@ -52,6 +52,7 @@ import sys
 import time
 
 from zinfjax._util.byte_sizes import parse_bytes
+from zinfjax.benchmarks.children import one_device_env
 
 MiB = 1 << 20
 NVME = ["params=nvme", "optimizer=nvme", "gradients=nvme", "activations=nvme"]
@@ -302,7 +303,7 @@ def run_one(label: str, limit: str | None, args) -> dict:
             f"save_every={args.save_every}", f"keep_checkpoints={args.keep}", f"log={log}",
             *([f"memory_limit={limit}"] if limit else []), *args.set]
     argv = [sys.executable, "-m", "zinfjax.cli", "train", "--quiet", *(a for s in sets for a in ("--set", s))]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user's process
+    env = one_device_env()  # one CPU device, as a user's process
     if not args.huge_pages:
         env["ZINFJAX_HUGE_PAGES"] = "0"
     result = run_sampled(argv, env, nvme, save_dir, workdir, args.interval)

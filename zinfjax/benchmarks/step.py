@@ -31,6 +31,7 @@ import time
 
 from zinfjax.benchmarks.capacity import param_count
 from zinfjax.benchmarks.cgroup import MemoryCgroup, disk_read_bytes
+from zinfjax.benchmarks.children import one_device_env
 from zinfjax.benchmarks.io import parse_size, raw_direct_io
 from zinfjax.runtime import allocator
 from zinfjax.runtime.allocator import tune_allocator
@@ -128,7 +129,7 @@ def child(args) -> dict:
 
 def run_child(args, argv: list[str], run: str, cgroup: MemoryCgroup | None) -> dict:
     cmd = [sys.executable, "-m", "zinfjax.benchmarks.step", *argv, "--child", run]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user's process
+    env = one_device_env()  # one CPU device, as a user's process
     out = subprocess.run(cgroup.command(cmd) if cgroup else cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         oom = cgroup is not None and cgroup.oom_kills() > 0

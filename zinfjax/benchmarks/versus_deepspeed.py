@@ -44,6 +44,7 @@ import tempfile
 import time
 
 from zinfjax.benchmarks.cgroup import MemoryCgroup
+from zinfjax.benchmarks.children import one_device_env
 from zinfjax.benchmarks.deepspeed_step import CONSTRUCTIONS, ds_config
 from zinfjax.benchmarks.io import parse_size, raw_direct_io
 from zinfjax.errors import UserError
@@ -63,15 +64,14 @@ ZINFJAX_TIERS = {  # run -> the tiers it sets; the others keep their default (de
 }
 DEFAULT_ZINFJAX_RUNS = ("nvme", "nvme_optimizer", "host", "memory")
 DEEPSPEED_RUNS = ("nvme", "nvme_params_on_disk", "cpu")
-CHILD_ENV_DROP = ("XLA_FLAGS",)  # one CPU device, as a user's process
 
 
 # ---- running one child -------------------------------------------------------------------------
 
 
 def child_env() -> dict[str, str]:
-    """The children's environment: this one, without XLA_FLAGS, with DeepSpeed on its CPU accelerator."""
-    env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP}
+    """The children's environment: this one on one CPU device, with DeepSpeed on its CPU accelerator."""
+    env = one_device_env()
     return env | {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
 
 
