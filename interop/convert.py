@@ -42,8 +42,9 @@ from zinfjax.checkpoint.base import check_base
 from zinfjax.checkpoint.model import checkpoint_model
 from zinfjax.checkpoint.model import resolve_model as zinfjax_model
 from zinfjax.checkpoint.reader import LeafReader
+from zinfjax.checkpoint.tokenizer import tokenizer_dir
 from zinfjax.config import Config
-from zinfjax.data.tokenizers import SUBDIR, beside
+from zinfjax.data.tokenizers import SUBDIR
 from zinfjax.models import ModelConfig
 from zinfjax.models.configs import NAMED
 from zinfjax.store.disk import free_bytes, is_disk_full
@@ -152,10 +153,11 @@ def _check_lora_options(src: str, kind: str, to: str, base: str | None, merge: b
 
 
 def _carry_tokenizer(src: str, dst: str, to: str) -> str | None:
-    """The source's tokenizer files, carried along: into ``<dst>/tokenizer`` beside a zinfjax save_dir, or into
-    an HF directory's own; None when the source has none."""
+    """The source's tokenizer files (`zinfjax.checkpoint.tokenizer.tokenizer_dir`: beside it, or beside the base an
+    adapter run names), carried along: into ``<dst>/tokenizer`` beside a zinfjax save_dir, or into an HF
+    directory's own; None when the source has none."""
     origin = src if os.path.isdir(src) else os.path.dirname(src)
-    found = beside(origin)
+    found = tokenizer_dir(origin)
     return copy_tokenizer(found, os.path.join(dst, SUBDIR) if to == "zinfjax" else dst) if found else None
 
 

@@ -96,3 +96,19 @@ def test_train_trace_writes_perfetto_json_and_timeline_png(tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("ph") == "X" for e in events)
     assert (tmp_path / "trace.png").stat().st_size > 1000
+
+
+def test_train_tokenizer_errors_name_what_train_takes(tmp_path, capsys):
+    """A tokenizer that cannot serve a run says what ``zinfjax train`` takes (tokenizer=..., .bin data), not
+    generate's --prompt-ids."""
+    from zinfjax.cli import main
+
+    small = tmp_path / "small.yaml"  # gpt2-tiny with a vocabulary of 97: too small for bytes
+    small.write_text("arch: gpt2\nvocab_size: 97\nmax_seq_len: 64\nd_model: 32\nn_layers: 1\nn_heads: 2\nd_ff: 64\n")
+    cases = [(["tokenizer=nope"], "unknown tokenizer 'nope': give tokenizer=bytes or tokenizer=DIR"),
+             ([f"model={small}"], "the byte tokenizer needs a vocabulary of 256; this model has 97: give "
+                                  "tokenizer=DIR (its Hugging Face tokenizer) or pre-tokenized data (a .bin file)")]
+    for sets, message in cases:
+        assert main(["train", "--quiet", "--set", "steps=1", *[a for s in sets for a in ("--set", s)]]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0] and "--prompt-ids" not in err[0], err

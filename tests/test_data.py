@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from zinfjax.cli import main
 from zinfjax.data import Batches, DataError, check_vocab, decode_bytes, demo_corpus, encode_bytes, load_tokens
 
 
@@ -13,6 +14,11 @@ def test_demo_corpus_is_real_text_that_ships_with_python():
 def test_byte_tokenizer_round_trips():
     text = "zinfjax streams layers — ünïcode too"
     assert decode_bytes(encode_bytes(text)) == text
+
+
+def test_ids_past_the_bytes_decode_as_the_replacement_character():
+    """A model of a larger vocabulary read by bytes (tokenizer=bytes) may emit ids past 255: no crash."""
+    assert decode_bytes([72, 300, 105, -1]) == "H\ufffdi\ufffd"
 
 
 def test_batches_are_deterministic_and_resumable():
@@ -48,3 +54,24 @@ def test_bad_sources_are_named(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"abc")
     with pytest.raises(DataError, match="odd size"):
         load_tokens(str(tmp_path / "odd.bin"))
+
+
+def test_text_that_is_not_utf8_and_files_of_other_kinds_are_refused_under_bytes_too(tmp_path, capsys):
+    """The byte tokenizer reads text as every tokenizer does (docs/data.md, "Bad data"): UTF-8 alone, from the
+    files the table names, and a source with text in it. Each is one line from ``zinfjax train``, exit 2."""
+    (tmp_path / "noise.txt").write_bytes(b"fine so far " + np.random.default_rng(0).bytes(3000))
+    (tmp_path / "blob.dat").write_text("text, but in a file of no kind zinfjax reads")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("")
+    (tmp_path / "latin1.jsonl").write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))
+    cases = {"noise.txt": r"text file '.*noise.txt' is not UTF-8 \(byte \d+\)",
+             "blob.dat": r"data file '.*blob.dat' is a '.dat' file, which zinfjax does not read; give 'demo'",
+             "empty.txt": "empty.txt' holds no text to train on", "docs": "docs' holds no text to train on",
+             "latin1.jsonl": r"latin1.jsonl:1 is not UTF-8", "*": r"'.*' file, which zinfjax does not read"}
+    for name, message in cases.items():
+        with pytest.raises(DataError, match=message):
+            load_tokens(str(tmp_path / name))
+        assert main(["train", "--quiet", "--set", f"data={tmp_path / name}", "--set", "steps=1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("zinfjax: error: ") and "Traceback" not in err[0], err

@@ -269,10 +269,11 @@ def add_generate(sub) -> None:
     p.add_argument("checkpoint", help="a zinfjax checkpoint: a save_dir (its newest step) or <save_dir>/<step>; "
                    "`zinfjax convert` makes one from a Hugging Face model")
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="the prompt text (tokenized by --tokenizer)")
+    prompt.add_argument("--prompt", help="the prompt text (tokenized by the model's tokenizer)")
     prompt.add_argument("--prompt-ids", help="the prompt as comma-separated token ids")
-    p.add_argument("--tokenizer", default="bytes", help="'bytes' (the byte-level models and the demo corpus), or a "
-                   "Hugging Face tokenizer directory")
+    p.add_argument("--tokenizer", help="'bytes', or a Hugging Face tokenizer directory; the same as --set "
+                   "tokenizer=... (default: the one kept beside the checkpoint or beside the base it names, else "
+                   "bytes for a byte vocabulary; docs/data.md)")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
     p.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (the prompt repeated)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample")
@@ -285,18 +286,15 @@ def add_generate(sub) -> None:
 
 
 def _generate(args) -> int:
-    from zinfjax.checkpoint.model import checkpoint_model
     from zinfjax.config import Config
-    from zinfjax.data.tokenizers import load_tokenizer
     from zinfjax.inference import Sampling, generate
     from zinfjax.inference.generate import check_counts, parse_ids
 
-    config = Config.load(None, args.overrides)
+    config = _with_tokenizer(Config.load(None, args.overrides), args.tokenizer)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     check_counts(args.max_new_tokens, args.batch_size)
     ids = parse_ids(args.prompt_ids) if args.prompt_ids else None
-    _, model = checkpoint_model(args.checkpoint)
-    tokenizer = load_tokenizer(args.tokenizer, model.vocab_size)
+    tokenizer = _prompt_tokenizer(args, config) if ids is None or not args.json else None
     ids = ids if ids is not None else tokenizer.encode(args.prompt)
     result = generate(args.checkpoint, [ids] * args.batch_size, args.max_new_tokens, config, sampling)
     if args.json:
@@ -307,6 +305,27 @@ def _generate(args) -> int:
         m = result.metrics
         print(f"[{m['sequences']} x {m['new_tokens']} tokens, {m['tokens_per_s']:.1f} tokens/s]", file=sys.stderr)
     return 0
+
+
+def _with_tokenizer(config, tokenizer: str | None):
+    """``--tokenizer X`` is ``--set tokenizer=X``; given both, they must name the same tokenizer."""
+    if tokenizer is None:
+        return config
+    if config.tokenizer not in (None, tokenizer):
+        raise ConfigError(f"--tokenizer {tokenizer} and --set tokenizer={config.tokenizer} name different "
+                          "tokenizers; give one")
+    return config.replace(tokenizer=tokenizer)
+
+
+def _prompt_tokenizer(args, config):
+    """The tokenizer of the checkpoint's text (`zinfjax.checkpoint.tokenizer.model_tokenizer`): the prompt's ids
+    and the output's text."""
+    from zinfjax.checkpoint.model import checkpoint_model
+    from zinfjax.checkpoint.tokenizer import model_tokenizer
+
+    _, model = checkpoint_model(args.checkpoint)
+    return model_tokenizer(config.tokenizer, args.checkpoint, model.vocab_size,
+                           instead="the prompt as --prompt-ids with --json (ids in, ids out)")
 
 
 def add_evaluate(sub) -> None:

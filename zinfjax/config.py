@@ -75,7 +75,7 @@ class Config:
     model: str = "gpt2-tiny"
     data: str = "demo"
     data_field: str = "text"  # the text's field in JSON Lines, Parquet or a datasets directory
-    tokenizer: str | None = None  # None: the model's own (zinfjax/data/tokenizers.py), else bytes or a directory
+    tokenizer: str | None = None  # None: the model's own (zinfjax/checkpoint/tokenizer.py), else bytes or a directory
     steps: int = 100
     batch_size: int = 8  # the global batch; 0 with micro_batch_size: micro x grad_accum x data-parallel size
     micro_batch_size: int | None = None  # DeepSpeed's train_micro_batch_size_per_gpu
@@ -433,9 +433,9 @@ KEY_DOCS = {
             "JSON Lines (.jsonl) or Parquet with a text field, or a datasets directory (save_to_disk); text is "
             "tokenized once by the model's tokenizer into a token file cached beside it (.zinfjax-tokens/)",
     "data_field": "the field (or column) holding the text in JSON Lines, Parquet or a datasets directory; default text",
-    "tokenizer": "the tokenizer text data is tokenized with: bytes, or a Hugging Face tokenizer directory; default: "
-                 "the one zinfjax convert kept beside the model (<model>/tokenizer), else bytes for a model made from "
-                 "a config",
+    "tokenizer": "the tokenizer text is tokenized with (train, evaluate, generate): bytes, or a Hugging Face "
+                 "tokenizer directory; default: the one zinfjax convert kept beside the model (<model>/tokenizer) or "
+                 "beside the base an adapter run names, else bytes for a model made from a config",
     "steps": "optimizer steps to run",
     "batch_size": "sequences per optimizer step (split over micro-batches and the data axis); 0 with "
                   "micro_batch_size: micro_batch_size x grad_accum x data-parallel size",

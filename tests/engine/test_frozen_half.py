@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -224,6 +225,18 @@ def test_a_trainable_predicate_that_selects_nothing_or_everything_is_refused():
     later = state.replace(step=3)
     with pytest.raises(WrapError, match="at step 3"):
         zinfjax.wrap(later, zinfjax.Config(), loss_fn=loss_fn, trainable=lambda p, _: "upper" in p)
+
+
+def test_a_trainable_predicate_that_answers_other_than_true_or_false_is_refused():
+    """``trainable`` returns True or False: a truthy "yes" (or 1) is no answer, refused in one line, not taken for
+    True; numpy's bools are bools."""
+    state = train_state.TrainState.create(apply_fn=MODEL.apply, params=initial(), tx=optax.adam(1e-3))
+    for answer, shown in (("yes", "'yes' (str)"), (1, "1 (int)"), (None, "None (NoneType)")):
+        with pytest.raises(TypeError, match=r"trainable\(path, leaf\) must return True or False; for '.+' it "
+                                            rf"returned {re.escape(shown)}") as caught:
+            zinfjax.wrap(state, zinfjax.Config(), loss_fn=loss_fn, trainable=lambda p, _, a=answer: a)
+        assert isinstance(caught.value, FrozenError) and "\n" not in str(caught.value)
+    zinfjax.wrap(state, zinfjax.Config(), loss_fn=loss_fn, trainable=lambda p, _: np.bool_("upper" in p)).close()
 
 
 @pytest.mark.numeric

@@ -16,10 +16,13 @@ import torch
 import transformers
 
 from tests.support.engine_helpers import batches, config, make_engine
+from tests.support.hf_text import TEXT, adapter_run, converted_gpt2
 from tests.support.tolerances import assert_loss_no_farther, in_float64
 from tests.support.xla_flags import child_env
 from zinfjax import Config, models
 from zinfjax.checkpoint import CheckpointManager
+from zinfjax.checkpoint.tokenizer import model_tokens
+from zinfjax.cli import main
 from zinfjax.errors import UserError
 from zinfjax.inference import Sampling, evaluate, generate
 from zinfjax_interop import load_hf
@@ -151,3 +154,50 @@ def test_cli_generate_json(trained_checkpoint, tmp_path):
     result = json.loads(out.stdout)
     assert [len(t) for t in result["tokens"]] == [6, 6] and result["tokens"][0][:2] == [72, 101]
     assert result["tokens"] == generate(path, [[72, 101]] * 2, 4, Config()).tokens
+
+
+# ---- text in and out: the model's own tokenizer ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def adapted(tmp_path_factory):
+    """A tiny HF GPT-2 with its own BPE (320 tokens) converted by `zinfjax convert`, a LoRA run on it whose
+    checkpoint holds the adapters alone and names it as its base, and the tokenizer."""
+    root = tmp_path_factory.mktemp("adapted")
+    out, tok = converted_gpt2(root)
+    return out, adapter_run(out, root), tok
+
+
+def generated(capsys, checkpoint, prompt: str, *flags: str) -> list[int]:
+    assert main(["generate", str(checkpoint), "--prompt", prompt, "--max-new-tokens", "2", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)["tokens"][0]
+
+
+def test_generate_tokenizes_the_prompt_with_the_tokenizer_beside_the_checkpoint_or_its_base(adapted, capsys):
+    """`zinfjax generate` finds the tokenizer by the rule training uses: beside a converted model, beside the base
+    an adapter run names; and ``--tokenizer X`` is ``--set tokenizer=X``."""
+    out, run, tok = adapted
+    prompt = "Line 3: the layer streams from disk"
+    ids = tok(prompt)["input_ids"]
+    for checkpoint in (out, run):
+        tokens = generated(capsys, checkpoint, prompt)
+        assert tokens[:len(ids)] == ids and len(tokens) == len(ids) + 2, checkpoint
+    assert main(["generate", str(out), "--prompt", prompt, "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith(prompt)  # the output decoded by the same tokenizer
+    as_bytes = list(prompt.encode())
+    assert generated(capsys, out, prompt, "--tokenizer", "bytes")[:len(as_bytes)] == as_bytes
+    assert generated(capsys, out, prompt, "--set", "tokenizer=bytes")[:len(as_bytes)] == as_bytes
+    assert main(["generate", str(out), "--prompt", prompt, "--tokenizer", str(out / "tokenizer"), "--set",
+                 "tokenizer=bytes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "name different tokenizers" in err[0], err
+
+
+def test_evaluate_an_adapter_run_on_text_with_its_bases_tokenizer(adapted, tmp_path, capsys):
+    out, run, _ = adapted
+    notes = tmp_path / "notes.txt"
+    notes.write_text(TEXT)
+    assert model_tokens(str(notes), str(run), 320)[1] == str(out / "tokenizer")
+    assert main(["evaluate", str(run), "--data", str(notes), "--batches", "2", "--json", "--set", "batch_size=8",
+                 "--set", "seq_len=16"]) == 0, capsys.readouterr().err
+    assert np.isfinite(json.loads(capsys.readouterr().out)["loss"])

@@ -27,6 +27,7 @@ from flax.training import train_state  # noqa: E402
 import zinfjax  # noqa: E402
 from tests.support.engine_helpers import relative_error  # noqa: E402
 from tests.support.hf_cases import VOCAB, original_tensors, same_bits, save_case  # noqa: E402
+from tests.support.hf_text import TEXT, adapter_run, converted_gpt2, quietly  # noqa: E402
 from tests.support.mounts import tmpfs  # noqa: E402
 from tests.support.tolerances import assert_loss_no_farther, assert_no_farther, in_float64  # noqa: E402
 from zinfjax import models  # noqa: E402
@@ -213,6 +214,19 @@ def test_the_example_fine_tunes_a_converted_model_and_transformers_scores_it_bet
 
 
 @pytest.mark.numeric  # transformers' logits, bit for bit
+def test_every_export_to_hf_carries_the_tokenizer_an_adapter_run_merged_too(tmp_path):
+    """`--to hf` gives the Hugging Face directory the model's tokenizer back (docs/data.md); a LoRA run's
+    checkpoint, merged, has its base's tokenizer: the same files, tokenizing alike."""
+    out, tok = converted_gpt2(tmp_path)
+    run = adapter_run(out, tmp_path)
+    assert quietly(["convert", str(out), str(tmp_path / "base-hf"), "--to", "hf", "--quiet"]) == 0
+    assert quietly(["convert", str(run), str(tmp_path / "merged"), "--to", "hf", "--merge", "--quiet"]) == 0
+    files = [sorted(f for f in os.listdir(tmp_path / d) if f.startswith("tok")) for d in ("base-hf", "merged")]
+    assert files[0] == files[1] and "tokenizer.json" in files[1]
+    merged = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
+    assert merged(TEXT)["input_ids"] == tok(TEXT)["input_ids"]
+
+
 def test_a_large_export_is_sharded_with_an_index_as_transformers_writes(hf, tmp_path, capsys):
     src, model = hf["llama-gqa"]
     out = convert_json(capsys, src, tmp_path / "sharded", "--to", "hf", "--max-shard-size", "40KB")
@@ -408,7 +422,7 @@ def test_existing_output_is_never_overwritten(hf, tmp_path, capsys):
     convert_json(capsys, src, tmp_path / "hf", "--to", "hf")
     code, _, err = convert(capsys, src, tmp_path / "hf", "--to", "hf", "--quiet")
     assert code == 2 and "already holds a model's files (config.json, model.safetensors)" in err
-    (tmp_path / "lone").mkdir()  # issue 18: a lone config.json was silently replaced
+    (tmp_path / "lone").mkdir()  # a lone config.json is a model's file too: never replaced
     (tmp_path / "lone" / "config.json").write_text('{"mine": 1}')
     code, _, err = convert(capsys, src, tmp_path / "lone", "--to", "hf", "--quiet")
     assert code == 2 and "already holds a model's files (config.json)" in err

@@ -128,6 +128,24 @@ def test_table_and_json(capsys):
     assert plan["machine"]["sources"]["node.host_memory"].startswith("2 TB")
 
 
+def test_each_class_shows_the_placement_it_names_where_the_devices_hold_everything(capsys):
+    """llama-7b in bf16 at stage 3 fits the devices of one DGX H100 node. The ZeRO-Offload row still shows ZeRO-Offload
+    (the optimizer on the host, nothing on NVMe) at its own predicted step, and ZeRO-Infinity's the optimizer off the
+    devices and it or the parameters on NVMe: not the devices-only placement of the row above, three times over."""
+    h100 = str(ROOT / "examples/machines/h100-8x.yaml")
+    sets = ["model=llama-7b", "precision=bf16", "stage=3"]
+    plan = plan_for_machine(Config.load(None, sets), load_machine(h100))
+    gpu, offload, infinity = (c["tiers"] for c in plan["classes"])
+    assert set(gpu.values()) == {"device"}
+    assert offload["optimizer"] == "host" and "nvme" not in offload.values()
+    assert infinity["optimizer"] != "device" and "nvme" in (infinity["params"], infinity["optimizer"])
+    steps = [c["step_s"] for c in plan["classes"]]
+    assert steps[0] < steps[1] and steps[0] < steps[2]
+    assert main(["plan", "--machine", h100, *[a for s in sets for a in ("--set", s)]]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "(ZeRO-" in line]
+    assert len(rows) == 3 and "optimizer=host" in rows[1] and "nvme" in rows[2], rows
+
+
 def test_tpu_host_without_nvme_plans_device_and_host_only():
     plan = plan_for_machine(Config.load(None, ["model=llama-1b", "precision=bf16", "stage=3"]),
                             load_machine(str(ROOT / "examples/machines/tpu-v5e-host.yaml")))
@@ -163,7 +181,9 @@ def _one_line_error(capsys, argv) -> str:
     ("matmul_efficiency: 0.40", "matmul_efficiency: 1.5", "node.matmul_efficiency=1.5 must be above 0 and at most 1"),
     ("  devices: 16", "  devices: 2.5", "node.devices=2.5 must be a whole number"),
     ("  devices: 16", "  devices: 16\n  device_count: 16", "unknown key node.device_count"),
-    ("  nvme_read_GBps: 24\n", "", "node.nvme_read_GBps must be above 0 when node.nvme_capacity is above 0"),
+    ("  nvme_read_GBps: 24\n", "", "node.nvme_read_GBps is missing: GB/s the node's NVMe drives read together"),
+    ("  nvme_write_GBps: 12\n", "", "node.nvme_write_GBps is missing: GB/s the node's NVMe drives write together"),
+    ("nvme_read_GBps: 24", "nvme_read_GBps: 0", "node.nvme_read_GBps must be above 0 when node.nvme_capacity is above"),
 ])
 def test_bad_machine_files_name_the_field(capsys, tmp_path, old, new, says):
     err = _one_line_error(capsys, ["plan", "--machine", _machine_file(tmp_path, **{old: new}), *_args("1t")])

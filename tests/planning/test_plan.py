@@ -1,11 +1,16 @@
 """`zinfjax plan` and ``tiers=auto``: byte counts against the engine's stores, fits, the one-line shortfall."""
 
+import dataclasses
 import json
+import pathlib
 
 import numpy as np
 import pytest
+import yaml
 
+from tests.support.hf_text import TEXT, converted_gpt2
 from zinfjax import models
+from zinfjax.checkpoint.model import resolve_model
 from zinfjax.cli import main
 from zinfjax.config import TIER_KEYS, Config
 from zinfjax.engine.budget import heap_room
@@ -23,6 +28,8 @@ from zinfjax.planning.cost import (
     predict,
     traffic,
 )
+from zinfjax.planning.machine import load_machine
+from zinfjax.planning.machine_plan import plan_for_machine
 from zinfjax.planning.recommend import REGIMES, PlanError, make_plan
 from zinfjax.planning.report import format_plan
 from zinfjax.planning.state import _specs, budgets, parameter_count, state_parts
@@ -284,3 +291,33 @@ def test_the_heap_is_tuned_first_wherever_nvme_may_be_used(tmp_path):
     assert _config("params=nvme", nv).may_use_nvme
     assert not _config().may_use_nvme and not _config("tiers=auto").may_use_nvme
     assert not _config("params=host", nv).may_use_nvme  # a tier key given: manual, and none names nvme
+
+
+def test_a_converted_checkpoint_is_planned_and_trained_under_tiers_auto(tmp_path, monkeypatch, capsys):
+    """``model=`` a checkpoint `zinfjax convert` wrote resolves in every planner as in a run of set tiers: `zinfjax
+    plan` plans the model it records (the same plan as for that ModelConfig in a file), `plan --machine` too, and
+    an nvme_path with no tier key (tiers=auto) trains it, with LoRA adapters."""
+    out, _ = converted_gpt2(tmp_path)
+    model_file = tmp_path / "model.yaml"
+    model_file.write_text(yaml.safe_dump({**dataclasses.asdict(resolve_model(str(out))), "lora_targets": ["q", "v"]}))
+    sets = ["batch_size=8", "seq_len=16", "mesh=data:1"]
+    plans = []
+    for model in (out, model_file):
+        assert main(["plan", "--no-probe", "--json", *_flags(f"model={model}", *sets)]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    assert plans[0]["parts"] == plans[1]["parts"] and plans[0]["parts"]["params"] > 0
+    h100 = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "machines" / "h100-8x.yaml")
+    assert plan_for_machine(_config(f"model={out}"), load_machine(h100))["model_config"]["vocab_size"] == 320
+    monkeypatch.setenv("ZINFJAX_PLAN_PROBE", "0")
+    (tmp_path / "notes.txt").write_text(TEXT)
+    log = tmp_path / "log.json"
+    sets = [f"model={out}", f"data={tmp_path / 'notes.txt'}", f"nvme_path={tmp_path / 'nv'}", "steps=2",
+            "lora_rank=8", *sets, f"log={log}"]
+    assert main(["train", "--quiet", *_flags(*sets)]) == 0, capsys.readouterr().err
+    log = json.loads(log.read_text())
+    assert log["config"]["tiers"] == "manual" and len(log["steps"]) == 2
+    assert log["data"]["tokenizer"] == str(out / "tokenizer")
+
+
+def _flags(*settings: str) -> list[str]:
+    return [a for s in settings for a in ("--set", s)]

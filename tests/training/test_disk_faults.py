@@ -1,4 +1,4 @@
-"""Issue 36, point 2: a disk that fails under a ``zinfjax train`` run, with EIO from the kernel.
+"""A disk that fails under a ``zinfjax train`` run, with EIO from the kernel.
 
 ``nvme_path`` (every tier on NVMe) or ``save_dir`` lives on ext4 over a loop device that fails on command
 (`tests.support.faulty_disk`: this kernel has no device-mapper, so the fault comes from the loop device's

@@ -1,4 +1,4 @@
-"""Issue 35, point 3: every step of an NVMe run measured against the disk's floor, and the metrics on TensorBoard.
+"""Every step of an NVMe run measured against the disk's floor, and the metrics on TensorBoard.
 
 ``io_floor_s`` is the step's NVMe bytes at the disk's probed rates (reads and writes overlapping at best, at the
 rate the disk moves both at once);

@@ -1,4 +1,4 @@
-"""Issue 36, point 3: a bit that flips in the live state on NVMe, between the write of a chunk and its next read.
+"""A bit that flips in the live state on NVMe, between the write of a chunk and its next read.
 
 A ``zinfjax train`` run keeps every part on NVMe and saves every 2 steps. Once a save is committed, the run is
 stopped (SIGSTOP) at a moment when no save is under way and some chunks on NVMe were written after it: state no

@@ -1,4 +1,4 @@
-"""Issue 18: each probe of a careless or unlucky user, numbered as in the issue, and what it does now.
+"""Each probe of a careless or unlucky user, numbered by kind (the test names' prefixes), and what it does now.
 
 Each bad input must give one line, ``zinfjax: error: ...``, exit status 2 and lose nothing.
 """

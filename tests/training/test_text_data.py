@@ -1,58 +1,31 @@
 """Fine-tuning a converted model on real text through the CLI: its own tokenizer, text files, JSON Lines,
 Parquet and datasets directories (`zinfjax.data.corpus`, `zinfjax.data.tokenizers`).
 
-The tokenizer is a byte-level BPE trained here with ``tokenizers`` (nothing is downloaded) and saved
-beside a tiny Hugging Face GPT-2, as a model from the Hub comes. ``zinfjax convert`` keeps it beside the
-converted model; ``zinfjax train`` then feeds the model the ids that ``AutoTokenizer`` gives for the same
-text, each document followed by the end-of-text token.
+The tokenizer is a byte-level BPE trained with ``tokenizers`` (tests/support/hf_text.py; nothing is
+downloaded) and saved beside a tiny Hugging Face GPT-2, as a model from the Hub comes. ``zinfjax convert``
+keeps it beside the converted model; ``zinfjax train`` then feeds the model the ids that ``AutoTokenizer``
+gives for the same text, each document followed by the end-of-text token.
 """
 
 import json
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every tokenizer here is local: a download attempt is a bug
+import numpy as np
+import pytest
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import transformers  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-
-from zinfjax.cli import main  # noqa: E402
-from zinfjax.data import DataError, corpus, load_tokens  # noqa: E402
-from zinfjax.data.tokenizers import HFTokenizer, model_tokenizer  # noqa: E402
-
-EOS = "<|endoftext|>"
-TEXT = "\n".join(
-    f"Line {i}: the layer streams from disk,  tile after tile.\n\n    indented {i * 7} ünïcode — done."
-    for i in range(60)) + "\n"
-DOCS = [f"Document {i} says: zinfjax fine-tunes {'adapters' if i % 2 else 'layers'} on text number {i}."
-        for i in range(40)]
-
-
-def bpe_tokenizer(directory, vocab: int = 320):
-    """A byte-level BPE (GPT-2's kind) trained on the test's text, saved as a transformers tokenizer."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TEXT, *DOCS], trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
-    fast.save_pretrained(str(directory))
-    return transformers.AutoTokenizer.from_pretrained(str(directory))
+from tests.support.hf_text import DOCS, TEXT, bpe_tokenizer, converted_gpt2
+from zinfjax.checkpoint.tokenizer import model_tokenizer
+from zinfjax.cli import main
+from zinfjax.data import DataError, corpus, load_tokens
+from zinfjax.data.tokenizers import HFTokenizer
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """A tiny HF GPT-2 with its tokenizer, converted by ``zinfjax convert``."""
     root = tmp_path_factory.mktemp("hf")
-    hf, out = root / "gpt2", root / "converted"
-    tok = bpe_tokenizer(hf)
-    config = transformers.GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-    transformers.GPT2LMHeadModel(config).save_pretrained(str(hf), safe_serialization=True)
-    assert main(["convert", str(hf), str(out), "--quiet", "--json"]) == 0
+    out, tok = converted_gpt2(root)
+    hf = root / "gpt2"
     assert sorted(os.listdir(out / "tokenizer")) == sorted(f for f in os.listdir(hf) if f.startswith(("tok", "spec")))
     return out, tok
 
@@ -153,3 +126,12 @@ def test_bad_text_data_is_refused_in_one_line(converted, tmp_path, capsys):
     (bare / "0").mkdir(parents=True)
     with pytest.raises(DataError, match="no tokenizer beside it"):
         model_tokenizer(None, str(bare), 50257)
+
+
+def test_an_empty_source_says_its_error_alone(converted, tmp_path, capsys):
+    """No progress line for a source without text (an empty file is no document: no end-of-text token alone)."""
+    out, _ = converted
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main(["train", "--set", f"model={out}", "--set", f"data={empty}", "--set", "steps=1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"zinfjax: error: '{empty}' holds no text to train on"]

@@ -1,5 +1,5 @@
 """Budget benchmark: one model trained through ``zinfjax train`` at several memory budgets, only ``memory_limit``
-varying, each in a memory cgroup of that size (issue 35's table).
+varying, each in a memory cgroup of that size (docs/BENCHMARKS.md's table).
 
 Every run gives ``nvme_path`` and no tier key, so ``tiers=auto`` (the default then) places the state: host
 memory first, a part split by layer with NVMe where it does not fit (docs/planning.md, "Memory first"). Each

@@ -3,7 +3,7 @@
 Each run is a fresh ``zinfjax train`` process (the user's path, its defaults: the memory budget,
 layer-by-layer initialisation, vocabulary chunks) with every tier on NVMe, inside a cgroup v1
 memory group whose limit counts page cache too; the page cache is dropped before each run. The
-runs (issue 15's table):
+runs (docs/BENCHMARKS.md's table):
 
 - ``gpt2-small``: batch 4 x 128, 5 steps, ``memory_limit=1GiB``, in a 1 GiB cgroup;
 - ``gpt2-large`` from scratch: batch 1 x 64, 3 steps, in a 2 GiB cgroup;

@@ -6,7 +6,7 @@
 - text: a ``.txt`` file, a directory of them or a glob; JSON Lines (``.jsonl``) or Parquet with a
   ``text`` field; or a ``datasets`` directory (`zinfjax.data.corpus`).
 
-Text is tokenized by the model's tokenizer (`zinfjax.data.tokenizers.model_tokenizer`): a Hugging Face
+Text is tokenized by the model's tokenizer (`zinfjax.checkpoint.tokenizer.model_tokenizer`): a Hugging Face
 tokenizer, into a memory-mapped token file cached beside the data (`zinfjax.data.corpus`); or bytes, for
 the byte-vocabulary models and the models made from a config alone.
 
@@ -21,7 +21,7 @@ Example:
 from zinfjax.data.batches import Batches, check_vocab, global_batch
 from zinfjax.data.byte_text import BYTE_VOCAB, decode_bytes, demo_corpus, encode_bytes
 from zinfjax.data.errors import DataError
-from zinfjax.data.sources import load_tokens, model_tokens
+from zinfjax.data.sources import load_tokens
 
 __all__ = ["BYTE_VOCAB", "Batches", "DataError", "check_vocab", "decode_bytes", "demo_corpus", "encode_bytes",
-           "global_batch", "load_tokens", "model_tokens"]
+           "global_batch", "load_tokens"]

@@ -26,5 +26,8 @@ def encode_bytes(text: str | bytes) -> np.ndarray:
 
 
 def decode_bytes(tokens) -> str:
-    """The inverse of `encode_bytes`; invalid UTF-8 is replaced."""
-    return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+    """The inverse of `encode_bytes`; invalid UTF-8, and an id past the bytes (a model of a larger vocabulary), is
+    replaced (U+FFFD)."""
+    ids = np.asarray(tokens, dtype=np.int64).ravel()
+    ids = np.where((ids < 0) | (ids >= BYTE_VOCAB), 0xFF, ids)  # 0xFF is never UTF-8: it decodes as U+FFFD
+    return bytes(ids.astype(np.uint8).tolist()).decode("utf-8", errors="replace")

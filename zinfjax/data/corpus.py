@@ -47,8 +47,17 @@ def is_dataset_dir(path: str) -> bool:
     return os.path.isdir(path) and any(os.path.exists(os.path.join(path, m)) for m in DATASET_MARKERS)
 
 
+SOURCES = ("give 'demo', a .bin token file, a .txt, .jsonl or .parquet file, a directory of .txt files, a glob of "
+           "such files, or a datasets directory (save_to_disk)")
+TEXT_FILES = (".txt", ".jsonl", ".parquet")  # the files read as text data, by their extension (docs/data.md)
+
+
 def source_paths(source: str) -> list[str]:
-    """The files ``source`` names: itself, a directory's ``.txt`` files, or a glob's matches."""
+    """The files ``source`` names: itself, a directory's ``.txt`` files, or a glob's matches.
+
+    Raises:
+        DataError: nothing there, or a file of another kind than ``TEXT_FILES`` (named, with its extension).
+    """
     if is_dataset_dir(source):
         return sorted(p for p in glob.glob(os.path.join(source, "**", "*"), recursive=True) if os.path.isfile(p))
     if os.path.isdir(source):
@@ -56,8 +65,12 @@ def source_paths(source: str) -> list[str]:
     else:
         paths = sorted(glob.glob(source))
     if not paths:
-        raise DataError(f"no text found at {source!r}; give 'demo', a .bin token file, a .txt, .jsonl or .parquet "
-                        "file, a directory of .txt files, a glob, or a datasets directory (save_to_disk)")
+        raise DataError(f"no text found at {source!r}; {SOURCES}")
+    other = next((p for p in paths if not p.endswith(TEXT_FILES)), None)
+    if other is not None:
+        ext = os.path.splitext(other)[1]
+        kind = f"a {ext!r} file" if ext else "a file without an extension"
+        raise DataError(f"data file {other!r} is {kind}, which zinfjax does not read; {SOURCES}")
     return paths
 
 
@@ -86,18 +99,21 @@ def encode_documents(tokenizer, texts: list[str]) -> list[int]:
 
 
 def _text_pieces(path: str) -> Iterator[tuple[str, bool]]:
-    rest = b""
+    """``(text, ends_document)`` pieces of the text file ``path``; an empty file is no document and yields none."""
+    rest, offset = b"", 0  # offset: where ``rest`` starts in the file
     with _open(path) as f:
         while True:
             block = f.read(PIECE)
             data = rest + block
             if not block:
-                yield _decode(data, path), True
+                if data:
+                    yield decode_text(data, path, offset), True
                 return
             cut = _last_line_start(data)
             piece, rest = (data[:cut], data[cut:]) if cut > 0 else (b"", data)
             if piece:
-                yield _decode(piece, path), False
+                yield decode_text(piece, path, offset), False
+                offset += len(piece)
 
 
 def _last_line_start(data: bytes) -> int:
@@ -111,11 +127,16 @@ def _last_line_start(data: bytes) -> int:
             return i + 1
 
 
-def _decode(data: bytes, path: str) -> str:
+def decode_text(data: bytes, path: str, offset: int = 0) -> str:
+    """``data``, the bytes of the text file ``path`` from byte ``offset`` on, as text.
+
+    Raises:
+        DataError: they are not UTF-8 (the first bad byte named by its place in the file).
+    """
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"text file {path!r} is not UTF-8 (byte {e.start} of a piece): {e.reason}") from None
+        raise DataError(f"text file {path!r} is not UTF-8 (byte {offset + e.start}): {e.reason}") from None
 
 
 def _open(path: str):
@@ -134,6 +155,8 @@ def _jsonl_texts(path: str, field: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{n} is not JSON: {e.msg}") from None
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n} is not UTF-8: {e.reason}") from None
             yield _field(record, field, f"{path}:{n}")
 
 
@@ -200,6 +223,11 @@ def data_digest(source: str) -> str:
     return h.hexdigest()
 
 
+def no_text(source: str) -> DataError:
+    """The error of a source that holds no text: empty files, or no documents."""
+    return DataError(f"{source!r} holds no text to train on")
+
+
 def token_dtype(vocab_size: int):
     """The narrowest unsigned type that holds every id: uint16 up to 65,536 tokens, else uint32."""
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
@@ -240,22 +268,27 @@ def tokenized(source: str, tokenizer, field: str = "text", progress: bool = Fals
 
 def _write_tokens(source: str, tokenizer, field: str, path: str, progress: bool) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    dtype, total = token_dtype(tokenizer.vocab_size), 0
+    dtype, total, bar = token_dtype(tokenizer.vocab_size), 0, None
     fd, temp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tokens-")
     try:
-        with os.fdopen(fd, "wb") as out, tqdm(desc=f"tokenizing {source}", unit=" tokens", disable=not progress,
-                                             leave=False) as bar:
+        with os.fdopen(fd, "wb") as out:
             for ids in _token_batches(source, tokenizer, field):
+                if ids and bar is None:  # shown from the first tokens on: a source without any says its error alone
+                    bar = tqdm(desc=f"tokenizing {source}", unit=" tokens", disable=not progress, leave=False)
                 out.write(np.asarray(ids, dtype=dtype).tobytes())
                 total += len(ids)
-                bar.update(len(ids))
+                if bar is not None:
+                    bar.update(len(ids))
         if total == 0:
-            raise DataError(f"{source!r} holds no text to train on")
+            raise no_text(source)
         os.replace(temp, path)
     except BaseException:
         if os.path.exists(temp):
             os.unlink(temp)
         raise
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _token_batches(source: str, tokenizer, field: str) -> Iterator[list[int]]:

@@ -12,11 +12,18 @@ import os
 
 import numpy as np
 
-from zinfjax.data.batches import check_vocab
 from zinfjax.data.byte_text import demo_corpus, encode_bytes
-from zinfjax.data.corpus import encode_documents, is_dataset_dir, plain_text, source_paths, tokenized
+from zinfjax.data.corpus import (
+    decode_text,
+    encode_documents,
+    is_dataset_dir,
+    no_text,
+    plain_text,
+    source_paths,
+    tokenized,
+)
 from zinfjax.data.errors import DataError
-from zinfjax.data.tokenizers import ByteTokenizer, model_tokenizer
+from zinfjax.data.tokenizers import ByteTokenizer
 
 
 def load_tokens(source: str, tokenizer=None, field: str = "text", progress: bool = False) -> np.ndarray:
@@ -37,25 +44,11 @@ def load_tokens(source: str, tokenizer=None, field: str = "text", progress: bool
         return np.asarray(encode_documents(tokenizer, [demo_corpus().decode("utf-8")]), np.uint32)
     paths = source_paths(source)
     if tokenizer.name == "bytes" and not is_dataset_dir(source) and all(plain_text(p) for p in paths):
-        return encode_bytes(b"\n\n".join(_read(p) for p in paths))
+        texts = [_read_text(p) for p in paths]
+        if not any(texts):
+            raise no_text(source)
+        return encode_bytes(b"\n\n".join(texts))
     return tokenized(source, tokenizer, field, progress)
-
-
-def model_tokens(source: str, model: str, vocab_size: int, tokenizer: str | None = None, field: str = "text",
-                 progress: bool = False) -> tuple[np.ndarray, str]:
-    """The tokens of ``source`` for the model ``model`` (a name, a file or a directory) and the tokenizer's name:
-    ``.bin`` tokens as they are, text by the model's tokenizer (`zinfjax.data.tokenizers.model_tokenizer`).
-
-    Raises:
-        DataError: unreadable data, a tokenizer that is not the model's, or ids beyond its vocabulary.
-    """
-    if source.endswith(".bin"):
-        tokens, name = _load_bin(source), "pre-tokenized"
-    else:
-        tok = model_tokenizer(tokenizer, model, vocab_size)
-        tokens, name = load_tokens(source, tok, field, progress), tok.name
-    check_vocab(tokens, vocab_size, source)
-    return tokens, name
 
 
 def _load_bin(path: str) -> np.ndarray:
@@ -72,9 +65,12 @@ def _load_bin(path: str) -> np.ndarray:
         raise DataError(f"token file {path!r} cannot be read: {e.strerror or e}") from e
 
 
-def _read(path: str) -> bytes:
+def _read_text(path: str) -> bytes:
+    """The bytes of the text file ``path``, checked to be UTF-8 (`decode_text`), as every tokenizer reads text."""
     try:
         with open(path, "rb") as f:
-            return f.read()
+            data = f.read()
     except OSError as e:
         raise DataError(f"text file {path!r} cannot be read: {e.strerror or e}") from e
+    decode_text(data, path)
+    return data

@@ -1,8 +1,9 @@
-"""Tokenizers: bytes, or a Hugging Face tokenizer directory; and which one a model's text is tokenized with.
+"""Tokenizers: bytes, or a Hugging Face tokenizer directory; and where a model keeps its own.
 
 A model converted from Hugging Face keeps its tokenizer's files beside it (``zinfjax convert`` copies them
 into ``<out>/tokenizer``), so text for it is tokenized as it was in pretraining. Bytes remain for the
-byte-vocabulary models and for models made from a config alone, which have no tokenizer of their own.
+byte-vocabulary models and for models made from a config alone, which have no tokenizer of their own. Which
+tokenizer a run's model takes is one rule, `zinfjax.checkpoint.tokenizer.model_tokenizer`.
 
 Example:
     >>> load_tokenizer("bytes", 256).encode("Hi")
@@ -15,13 +16,13 @@ import hashlib
 import os
 
 from zinfjax.data.byte_text import BYTE_VOCAB, decode_bytes, encode_bytes
-from zinfjax.data.errors import DataError
 from zinfjax.errors import ConfigError
 
 # The files of a Hugging Face tokenizer: what `zinfjax convert` copies, and what its digest covers.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model")
 SUBDIR = "tokenizer"  # where `zinfjax convert` keeps a converted model's tokenizer
+DATA_INSTEAD = "pre-tokenized data (a .bin file)"  # what text data can be given as without a tokenizer
 
 
 class ByteTokenizer:
@@ -83,8 +84,9 @@ def directory_digest(directory: str) -> str:
     return h.hexdigest()
 
 
-def load_tokenizer(name: str, vocab_size: int):
-    """``bytes`` or a tokenizer directory; anything else is refused with the choices.
+def load_tokenizer(name: str, vocab_size: int, instead: str = DATA_INSTEAD):
+    """``bytes`` or a tokenizer directory; anything else is refused with the choices. ``instead``: what the command
+    takes in place of text, named when bytes cannot serve the model's vocabulary.
 
     Example:
         >>> load_tokenizer("bytes", 256).encode("Hi")
@@ -93,15 +95,15 @@ def load_tokenizer(name: str, vocab_size: int):
     if name == "bytes":
         if vocab_size < BYTE_VOCAB:
             raise ConfigError(f"the byte tokenizer needs a vocabulary of {BYTE_VOCAB}; this model has {vocab_size}: "
-                              "give --tokenizer DIR or --prompt-ids")
+                              f"give tokenizer=DIR (its Hugging Face tokenizer) or {instead}")
         return ByteTokenizer()
     if has_tokenizer(name):
         try:
             return HFTokenizer(name)
         except (ImportError, OSError, ValueError) as e:
             raise ConfigError(f"cannot load the tokenizer in {name}: {e}") from e
-    raise ConfigError(f"unknown tokenizer {name!r}: use 'bytes' or a directory holding a Hugging Face tokenizer "
-                      "(tokenizer.json), or pass --prompt-ids")
+    raise ConfigError(f"unknown tokenizer {name!r}: give tokenizer=bytes or tokenizer=DIR, a directory holding a "
+                      "Hugging Face tokenizer (tokenizer.json)")
 
 
 def beside(model: str) -> str | None:
@@ -114,24 +116,3 @@ def beside(model: str) -> str | None:
         if has_tokenizer(d):
             return d
     return None
-
-
-def model_tokenizer(tokenizer: str | None, model: str, vocab_size: int):
-    """The tokenizer a model's text is tokenized with: ``tokenizer`` when given (``bytes`` or a directory), else
-    the one kept beside the model, else bytes for a model made from a config or of a byte vocabulary.
-
-    Raises:
-        DataError: a tokenizer with more tokens than the model's vocabulary, or a model directory of a larger
-            vocabulary with no tokenizer beside it.
-    """
-    if tokenizer is None:
-        tokenizer = beside(model)
-        if tokenizer is None and os.path.isdir(model) and vocab_size != BYTE_VOCAB:
-            raise DataError(f"the model in {model} has a vocabulary of {vocab_size} and no tokenizer beside it "
-                            f"({model}/{SUBDIR}); give tokenizer=DIR (its Hugging Face tokenizer) or pre-tokenized "
-                            "data (a .bin file)")
-    tok = load_tokenizer(tokenizer or "bytes", vocab_size)
-    if tok.vocab_size > vocab_size:
-        raise DataError(f"the tokenizer {tok.name} has {tok.vocab_size} tokens but the model's vocabulary has "
-                        f"{vocab_size}: they do not belong together; give the model's own tokenizer (tokenizer=DIR)")
-    return tok

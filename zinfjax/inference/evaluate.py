@@ -21,8 +21,9 @@ import numpy as np
 from zinfjax import models
 from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.checkpoint.model import checkpoint_model
+from zinfjax.checkpoint.tokenizer import model_tokens
 from zinfjax.config import Config
-from zinfjax.data import Batches, model_tokens
+from zinfjax.data import Batches
 from zinfjax.engine.readahead import Read, ReadAhead
 from zinfjax.errors import ConfigError
 from zinfjax.inference.generate import abstract_params
@@ -32,9 +33,9 @@ from zinfjax.inference.params import ParamStores
 def evaluate(source: str, data: str, config: Config, batches: int = 8, model=None) -> dict:
     """Mean token loss and perplexity over ``batches`` batches of ``config.batch_size`` x ``config.seq_len``.
 
-    ``source`` is a zinfjax checkpoint (or a parameter tree, with ``model``); ``data`` a token
-    source as `zinfjax.data.model_tokens` reads it (``demo``, text, a ``.bin`` file), text tokenized by the
-    checkpoint's tokenizer (``config.tokenizer``, else the one kept beside it).
+    ``source`` is a zinfjax checkpoint (or a parameter tree, with ``model``); ``data`` a token source as
+    `zinfjax.checkpoint.tokenizer.model_tokens` reads it (``demo``, text, a ``.bin`` file), text tokenized by the
+    checkpoint's tokenizer (``config.tokenizer``, else the one kept beside it or beside the base it names).
     """
     if isinstance(source, str):
         _, model = checkpoint_model(source)

@@ -100,10 +100,7 @@ def machine_from_dict(values: dict, where: str = "the machine") -> Machine:
             raise ConfigError(f"{where}: {path} is missing: {doc}")
         figures[path.rsplit(".", 1)[-1]] = _figure(raw, path, kind, doc, where)
     if figures["nvme_capacity"] > 0:
-        for path in NVME_RATES:
-            if figures[path.rsplit(".", 1)[-1]] <= 0:
-                raise ConfigError(f"{where}: {path} must be above 0 when node.nvme_capacity is above 0 "
-                                  f"(it is {figures['nvme_capacity']} bytes)")
+        _check_nvme_rates(values, figures, where)
     return Machine(
         devices=int(figures["devices"]), device_memory=int(figures["memory"]), peak_flops=figures["peak_flops"],
         matmul_efficiency=figures["matmul_efficiency"], host_memory=int(figures["host_memory"]),
@@ -112,6 +109,17 @@ def machine_from_dict(values: dict, where: str = "the machine") -> Machine:
         node_to_node_GBps=figures["node_to_node_GBps"], nodes=_nodes(values.get("nodes"), where),
         peak_flops_dtype=_dtype(_lookup(values, "node.device.peak_flops_dtype"), where),
         name=str(values.get("name") or "the machine"), sources=_sources(values.get("sources"), where))
+
+
+def _check_nvme_rates(values: dict, figures: dict, where: str) -> None:
+    """A machine with NVMe names both its rates, each above 0: a missing one is named missing, not 0."""
+    docs = {path: doc for path, _, doc in FIGURES}
+    for path in NVME_RATES:
+        when = f"when node.nvme_capacity is above 0 (it is {figures['nvme_capacity']:.0f} bytes)"
+        if _lookup(values, path) is None:
+            raise ConfigError(f"{where}: {path} is missing: {docs[path]}; it is needed {when}")
+        if figures[path.rsplit(".", 1)[-1]] <= 0:
+            raise ConfigError(f"{where}: {path} must be above 0 {when}")
 
 
 def _known() -> set[str]:

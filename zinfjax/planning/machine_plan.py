@@ -18,10 +18,10 @@ Example:
 from __future__ import annotations
 
 import math
-import os
 
 from zinfjax._util.byte_sizes import format_bytes
 from zinfjax._util.choices import TIER_KEYS
+from zinfjax.checkpoint.model import resolve_model
 from zinfjax.config import Config
 from zinfjax.errors import ConfigError
 from zinfjax.planning.cost import NOMINAL_TRAFFIC, placements, predict
@@ -54,8 +54,15 @@ FLOPS_PER_PARAM_TOKEN = 8
 
 MAX_NODES = 10**7  # the node counts searched for a placement that fits
 STATE_OF_KIND = {"params": "params", "master": "master", "opt": "optimizer", "grads": "gradients"}
-CLASSES = (("GPU only (ZeRO-3)", ("device",)), ("GPU+CPU (ZeRO-Offload)", ("device", "host")),
-           ("GPU+CPU+NVMe (ZeRO-Infinity)", ("device", "host", "nvme")))
+# The placement classes, each the placements a DeepSpeed user knows by that name: ZeRO-3 keeps every part on
+# the devices; ZeRO-Offload keeps the optimizer (its state and update) in host memory and nothing on NVMe;
+# ZeRO-Infinity offloads the optimizer too and puts it or the parameters on NVMe. So a class shows its own kind
+# of placement even where the devices alone hold everything.
+CLASSES = (
+    ("GPU only (ZeRO-3)", lambda t: set(t.values()) == {"device"}),
+    ("GPU+CPU (ZeRO-Offload)", lambda t: t["optimizer"] == "host" and "nvme" not in t.values()),
+    ("GPU+CPU+NVMe (ZeRO-Infinity)", lambda t: t["optimizer"] != "device" and "nvme" in (t["params"], t["optimizer"])),
+)
 
 
 def plan_for_machine(config: Config, machine: Machine, nodes: int | None = None) -> dict:
@@ -86,14 +93,7 @@ def plan_for_machine(config: Config, machine: Machine, nodes: int | None = None)
 
 
 def _model(config: Config):
-    from zinfjax.models import ModelConfig
-
-    if os.path.isdir(config.model):  # a checkpoint records its model; reading it needs the checkpoint layer
-        from zinfjax.checkpoint.model import resolve_model
-
-        m = resolve_model(config.model)
-    else:
-        m = ModelConfig.resolve(config.model)
+    m = resolve_model(config.model)
     if config.seq_len > m.max_seq_len:
         raise ConfigError(f"seq_len={config.seq_len} exceeds the model's context of {m.max_seq_len}")
     return m
@@ -273,8 +273,8 @@ class _Setting:
     def classes(self, candidates: list, least: dict, limit: int | None) -> list[dict]:
         """Per placement class, the fewest nodes that hold the state, the placement, and its step there."""
         out = []
-        for name, allowed in CLASSES:
-            inside = [t for t in candidates if set(t.values()) <= set(allowed) and least[_key(t)] is not None]
+        for name, member in CLASSES:
+            inside = [t for t in candidates if member(t) and least[_key(t)] is not None]
             if not inside:
                 out.append({"class": name, "nodes": None, "tiers": None, "step_s": None, "peak_fraction": None})
                 continue

@@ -24,6 +24,7 @@ import numpy as np
 
 from zinfjax._util.byte_sizes import format_bytes
 from zinfjax._util.choices import TIER_KEYS
+from zinfjax.checkpoint.model import resolve_model
 from zinfjax.config import Config
 from zinfjax.engine.budget import MemoryBudgetError
 from zinfjax.errors import UserError
@@ -89,10 +90,8 @@ def make_plan(config: Config, probe: bool = True, baseline: int | None = None) -
         >>> make_plan(Config(model="gpt2-tiny"), probe=False)["parts"]["params"]  # fp32 bytes
         898560
     """
-    from zinfjax import models
-
     config = config.with_batch_for(_data_size(config))
-    model_config = models.ModelConfig.resolve(config.model)
+    model_config = resolve_model(config.model)
     _check_batch(config, model_config)
     model_config = plan_tiles(config, model_config)
     machine = budgets(config, baseline)

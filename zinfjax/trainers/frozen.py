@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from zinfjax.errors import UserError
@@ -30,6 +31,10 @@ TRAIN, FROZEN = "train", "frozen"
 
 class FrozenError(UserError):
     """A trainable selection that selects nothing, or a state that is not the trainable leaves'."""
+
+
+class SelectionTypeError(FrozenError, TypeError):
+    """``trainable(path, leaf)`` answered something other than True or False."""
 
 
 def labels(params, trainable: Callable) -> Any:
@@ -51,7 +56,7 @@ def by_path(trainable: Callable[[str, Any], bool], params) -> Callable:
     chosen = set()
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in keypath)
-        if trainable(path, leaf):
+        if _answer(trainable(path, leaf), path):
             chosen.add(jax.tree_util.keystr(keypath))
     total = len(jax.tree.leaves(params))
     if not chosen:
@@ -61,6 +66,17 @@ def by_path(trainable: Callable[[str, Any], bool], params) -> Callable:
         raise FrozenError(f"trainable= selects every one of the {total} parameters, so nothing is frozen; leave "
                           "trainable out to train them all, or select fewer")
     return lambda keypath: jax.tree_util.keystr(keypath) in chosen
+
+
+def _answer(answer, path: str) -> bool:
+    """``trainable``'s answer for ``path``: True or False (numpy's bools too); anything else, a string or a number
+    that is merely truthy, is refused rather than guessed at."""
+    if not isinstance(answer, bool | np.bool_):
+        shown = repr(answer)
+        shown = shown if len(shown) <= 40 and "\n" not in shown else f"a {type(answer).__name__}"
+        raise SelectionTypeError(f"trainable(path, leaf) must return True or False; for {path!r} it returned "
+                                 f"{shown} ({type(answer).__name__})")
+    return bool(answer)
 
 
 def check_selects(params, trainable: Callable) -> None:

@@ -26,9 +26,10 @@ from zinfjax._util.choices import TIER_KEYS
 from zinfjax.checkpoint import CheckpointManager, CheckpointSaveError
 from zinfjax.checkpoint.format import step_dir
 from zinfjax.checkpoint.resume import choose_start
+from zinfjax.checkpoint.tokenizer import model_tokens
 from zinfjax.checkpoint.verify import verify_checkpoint
 from zinfjax.config import Config
-from zinfjax.data import Batches, model_tokens
+from zinfjax.data import Batches
 from zinfjax.engine.in_place import nbytes as in_place_nbytes
 from zinfjax.engine.trace import Tracer
 from zinfjax.errors import ConfigError, UserError

@@ -1,0 +1,71 @@
+"""A tiny Hugging Face GPT-2 with a real tokenizer of its own, as a model from the Hub comes, for the tests of text.
+
+The tokenizer is a byte-level BPE (GPT-2's kind) trained here with ``tokenizers`` on the text below (nothing is
+downloaded) and saved beside the model; `converted_gpt2` converts both with ``zinfjax convert``, which keeps the
+tokenizer beside the converted model.
+"""
+
+import contextlib
+import io
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every tokenizer here is local: a download attempt is a bug
+
+import transformers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+from zinfjax.cli import main  # noqa: E402
+
+EOS = "<|endoftext|>"
+TEXT = "\n".join(
+    f"Line {i}: the layer streams from disk,  tile after tile.\n\n    indented {i * 7} ünïcode — done."
+    for i in range(60)) + "\n"
+DOCS = [f"Document {i} says: zinfjax fine-tunes {'adapters' if i % 2 else 'layers'} on text number {i}."
+        for i in range(40)]
+
+
+def bpe_tokenizer(directory, vocab: int = 320):
+    """A byte-level BPE (GPT-2's kind) trained on the test's text, saved as a transformers tokenizer."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT, *DOCS], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+    fast.save_pretrained(str(directory))
+    return transformers.AutoTokenizer.from_pretrained(str(directory))
+
+
+def converted_gpt2(root):
+    """``root/gpt2``, a tiny HF GPT-2 (2 layers of width 32, the tokenizer's vocabulary of 320) saved with its
+    tokenizer, and ``root/converted``, its ``zinfjax convert`` save_dir; returns ``(converted, tokenizer)``.
+
+    Nothing is printed, not even what a library imported on the way prints as it loads (DeepSpeed's accelerator
+    warning): what the calling test reads on stdout is its own."""
+    hf, out = root / "gpt2", root / "converted"
+    with contextlib.redirect_stdout(io.StringIO()):
+        tok = bpe_tokenizer(hf)
+        config = transformers.GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+        transformers.GPT2LMHeadModel(config).save_pretrained(str(hf), safe_serialization=True)
+        assert main(["convert", str(hf), str(out), "--quiet"]) == 0
+    return out, tok
+
+
+def adapter_run(converted, root):
+    """A LoRA run (rank 4, one step) on the converted model, saved in ``root/lora``: its checkpoint holds the
+    adapters alone and names the converted model as its base, beside which the tokenizer is; returns the save_dir."""
+    notes, save_dir = root / "notes.txt", root / "lora"
+    notes.write_text(TEXT)
+    sets = [f"model={converted}", f"data={notes}", "steps=1", "batch_size=8", "seq_len=16", "lora_rank=4",
+            f"save_dir={save_dir}"]
+    assert quietly(["train", "--quiet", *[a for s in sets for a in ("--set", s)]]) == 0
+    return save_dir
+
+
+def quietly(argv: list[str]) -> int:
+    """``zinfjax ARGV``, its summary on stdout dropped: what the calling test reads there is its own."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return main(argv)
