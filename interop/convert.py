@@ -44,7 +44,7 @@ from zinfjax.checkpoint.model import resolve_model as zinfjax_model
 from zinfjax.checkpoint.reader import LeafReader
 from zinfjax.checkpoint.tokenizer import tokenizer_dir
 from zinfjax.config import Config
-from zinfjax.data.tokenizers import SUBDIR
+from zinfjax.data.tokenizers import SUBDIR, copy_tokenizer
 from zinfjax.models import ModelConfig
 from zinfjax.models.configs import NAMED
 from zinfjax.store.disk import free_bytes, is_disk_full
@@ -64,7 +64,6 @@ from zinfjax_interop.files import (
     TORCH_BIN,
     TORCH_BIN_INDEX,
     StateDictFile,
-    copy_tokenizer,
 )
 from zinfjax_interop.hf import CONFIG, HFCheckpoint, Tensor, hf_specs, write_hf, zinfjax_shapes
 from zinfjax_interop.hf_config import from_hf_config

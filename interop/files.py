@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 from contextlib import ExitStack
 
 import ml_dtypes
@@ -25,7 +24,6 @@ import safetensors
 import torch
 
 from zinfjax._util.mapping_files import read_mapping
-from zinfjax.data.tokenizers import TOKENIZER_FILES, has_tokenizer
 from zinfjax_interop.errors import CheckpointFilesError
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -284,17 +282,3 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
     with SafetensorsWriter(path, [(name, a.dtype, a.shape) for name, a in tensors.items()]) as writer:
         for a in tensors.values():
             writer.write(a)
-
-
-def copy_tokenizer(src: str, dst: str) -> str | None:
-    """Copies the Hugging Face tokenizer files of the directory ``src`` (if it holds a tokenizer) into ``dst``;
-    returns ``dst``, or None when there was none. A converted model keeps its tokenizer so that its text is
-    tokenized as in pretraining (`zinfjax.data.tokenizers`)."""
-    if src is None or not has_tokenizer(src):
-        return None
-    os.makedirs(dst, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        path = os.path.join(src, name)
-        if os.path.isfile(path):
-            shutil.copyfile(path, os.path.join(dst, name))
-    return dst

@@ -20,10 +20,7 @@ import json
 import math
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 import types
 from collections import OrderedDict
 
@@ -62,17 +59,10 @@ from zinfjax_interop.ds_adam import AdamSettings, adam_settings  # noqa: E402
 from zinfjax_interop.hf import save_hf, zinfjax_shapes  # noqa: E402
 from zinfjax_interop.hf_config import from_hf_config  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNS = {"zero1-bf16": (1, "bf16"), "zero2-bf16": (2, "bf16"), "zero3-fp32": (3, "fp32")}
 WORLD = 2
 
 # ---- the DeepSpeed runs --------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -81,32 +71,7 @@ def ds_runs(tmp_path_factory):
     if importlib.util.find_spec("deepspeed") is None:
         pytest.fail("DeepSpeed is not installed: pip install -e '.[dev]'")
     out = tmp_path_factory.mktemp("deepspeed")
-    specs = [f"{name}:{stage}:{dtype}" for name, (stage, dtype) in RUNS.items()]
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"}
-        log = open(out / f"rank{rank}.log", "w")
-        child_cmd = [sys.executable, "-m", "tests.support.deepspeed_child", str(out), *specs]
-        procs.append((subprocess.Popen(child_cmd, cwd=ROOT,
-                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + 300
-    try:  # a rank that fails leaves the other waiting in a collective: stop both
-        while any(p.poll() is None for p, _ in procs) and not any(p.poll() for p, _ in procs):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-    codes = [p.returncode for p, _ in procs]
-    if any(codes):
-        tail = (out / "rank0.log").read_text()[-3000:]
-        pytest.fail(f"the DeepSpeed ranks exited with {codes}:\n{tail}")
+    child.launch(out, [f"{name}:{stage}:{dtype}" for name, (stage, dtype) in RUNS.items()], WORLD)
     return out
 
 

@@ -59,7 +59,8 @@ def check_matches(reference, path):
 @pytest.mark.wide
 def test_reference_two_processes_match_one_process(one_process_four_devices, tmp_path):
     log = tmp_path / "mp.json"
-    out = launch(2, *ZINFJAX, "train", *RUN, "--set", f"log={log}", cwd=tmp_path)
+    # docs/sharding.md's command: the mesh over both processes' devices (the default, data:-1, is the same)
+    out = launch(2, *ZINFJAX, "train", *RUN, "--set", "mesh=data:4", "--set", f"log={log}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     check_matches(one_process_four_devices, log)
     assert "[rank 0] trained 3 steps" in out.stdout

@@ -12,13 +12,20 @@ saves a checkpoint to ``OUT/NAME``, and rank 0 writes beside it:
   checkpoint, or its error message where it cannot read it); ``state``, per parameter, ``fp32``,
   ``exp_avg`` and ``exp_avg_sq`` (safe_get_full_fp32_param, safe_get_full_optimizer_state at
   save time); ``after``, the fp32 weights after one more step on ``batch`` (that step's tokens:
-  both ranks' micro-batches); ``loss``, that step's loss.
+  both ranks' micro-batches); ``loss``, that step's loss;
+- ``ds_config.json``: the DeepSpeed config the run trained with, as a DeepSpeed user keeps it.
+
+`launch` starts the ranks from a test and waits for them.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -89,8 +96,42 @@ def train(out: str, stage: int, dtype: str) -> None:
                     "loss": float(sum(losses) / len(losses)), "global_steps": engine.global_steps - 1},
                    os.path.join(out, "reference.pt"))
         cfg.save_pretrained(out)
+        with open(os.path.join(out, "ds_config.json"), "w") as f:
+            json.dump(ds, f, indent=1)
     engine.destroy()
     dist.barrier()
+
+
+def launch(out, runs: list[str], world: int = 2, timeout_s: float = 300) -> None:
+    """Every run of ``runs`` (``NAME:STAGE:DTYPE``) trained and saved under ``out`` by ``world`` DeepSpeed ranks on
+    the CPU (gloo), in child processes of this one; raises AssertionError with rank 0's log when a rank fails."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
+        log = open(os.path.join(out, f"rank{rank}.log"), "w")
+        procs.append((subprocess.Popen([sys.executable, "-m", "tests.support.deepspeed_child", str(out), *runs],
+                                       cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout_s
+    try:  # a rank that fails leaves the other waiting in a collective: stop both
+        while any(p.poll() is None for p, _ in procs) and not any(p.poll() for p, _ in procs):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    codes = [p.returncode for p, _ in procs]
+    if any(codes):
+        with open(os.path.join(out, "rank0.log")) as f:
+            raise AssertionError(f"the DeepSpeed ranks exited with {codes}:\n{f.read()[-3000:]}")
 
 
 def main(out: str, runs: list[str]) -> None:

@@ -11,6 +11,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every tokenizer here is local: a download attempt is a bug
 
+import torch  # noqa: E402
 import transformers  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
@@ -43,13 +44,33 @@ def converted_gpt2(root):
 
     Nothing is printed, not even what a library imported on the way prints as it loads (DeepSpeed's accelerator
     warning): what the calling test reads on stdout is its own."""
-    hf, out = root / "gpt2", root / "converted"
+    def gpt2(tok):
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id))
+
+    return _converted(root / "gpt2", root / "converted", gpt2)
+
+
+def converted_llama(root):
+    """``root/llama``, a tiny HF Llama (2 layers of width 64, grouped-query attention, untied head, weights of
+    spread 0.2 so that greedy decoding has clear winners) saved with its BPE tokenizer, and ``root/converted``, its
+    ``zinfjax convert`` save_dir; returns ``(converted, tokenizer)``. Only Llama's adapters map onto PEFT."""
+    def llama(tok):
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, initializer_range=0.2,
+            bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id))
+
+    return _converted(root / "llama", root / "converted", llama)
+
+
+def _converted(hf, out, build):
+    """The model ``build(tokenizer)`` saved in ``hf`` with a BPE tokenizer, converted into ``out`` quietly."""
     with contextlib.redirect_stdout(io.StringIO()):
         tok = bpe_tokenizer(hf)
-        config = transformers.GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-        transformers.GPT2LMHeadModel(config).save_pretrained(str(hf), safe_serialization=True)
+        build(tok).save_pretrained(str(hf), safe_serialization=True)
         assert main(["convert", str(hf), str(out), "--quiet"]) == 0
     return out, tok
 
@@ -63,6 +84,15 @@ def adapter_run(converted, root):
             f"save_dir={save_dir}"]
     assert quietly(["train", "--quiet", *[a for s in sets for a in ("--set", s)]]) == 0
     return save_dir
+
+
+def greedy(model, ids: list[int], new: int) -> list[int]:
+    """transformers' greedy ``generate`` of ``new`` tokens after ``ids`` (the reference ``zinfjax generate``'s tokens
+    are held to), not stopping at an end-of-text token."""
+    with torch.no_grad():
+        out = model.eval().generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)
+    return out[0].tolist()
 
 
 def quietly(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.support.hf_text import DOCS, TEXT, bpe_tokenizer, converted_gpt2
-from zinfjax.checkpoint.tokenizer import model_tokenizer
+from zinfjax.checkpoint.tokenizer import keep_tokenizer, model_tokenizer
 from zinfjax.cli import main
 from zinfjax.data import DataError, corpus, load_tokens
 from zinfjax.data.tokenizers import HFTokenizer
@@ -135,3 +135,18 @@ def test_an_empty_source_says_its_error_alone(converted, tmp_path, capsys):
     empty.write_text("")
     assert main(["train", "--set", f"model={out}", "--set", f"data={empty}", "--set", "steps=1"]) == 2
     assert capsys.readouterr().err.splitlines() == [f"zinfjax: error: '{empty}' holds no text to train on"]
+
+
+def test_a_run_keeps_the_tokenizer_it_was_trained_with_beside_its_checkpoints(converted, tmp_path):
+    """`keep_tokenizer`: a fine-tune saved elsewhere than its model keeps the model's tokenizer (or the one given
+    as tokenizer=DIR) in <save_dir>/tokenizer; none is kept where one is found beside the save_dir already, nor for
+    bytes."""
+    out, _ = converted
+    kept = keep_tokenizer(str(tmp_path / "run"), str(out), None)
+    assert kept == str(tmp_path / "run" / "tokenizer")
+    assert model_tokenizer(None, str(tmp_path / "run"), 320).name == kept  # what evaluate and generate then take
+    assert keep_tokenizer(str(out), str(out), None) is None  # saved where the model is: found there already
+    assert keep_tokenizer(str(tmp_path / "named"), "gpt2-tiny", None) is None  # a named size: bytes
+    assert keep_tokenizer(str(tmp_path / "bytes"), str(out), "bytes") is None
+    given = keep_tokenizer(str(tmp_path / "given"), "gpt2-tiny", str(out / "tokenizer"))
+    assert sorted(os.listdir(given)) == sorted(os.listdir(out / "tokenizer"))

@@ -29,7 +29,7 @@ from zinfjax.checkpoint.manager import latest_checkpoint
 from zinfjax.data import check_vocab, load_tokens
 from zinfjax.data.byte_text import BYTE_VOCAB
 from zinfjax.data.errors import DataError
-from zinfjax.data.tokenizers import DATA_INSTEAD, SUBDIR, beside, load_tokenizer
+from zinfjax.data.tokenizers import DATA_INSTEAD, SUBDIR, beside, copy_tokenizer, load_tokenizer
 
 
 def tokenizer_dir(model: str) -> str | None:
@@ -40,6 +40,18 @@ def tokenizer_dir(model: str) -> str | None:
         base = _base(model)
         found = tokenizer_dir(base) if base else None
     return found
+
+
+def keep_tokenizer(save_dir: str, model: str, tokenizer: str | None) -> str | None:
+    """Keeps a run's Hugging Face tokenizer (``tokenizer=DIR``, else the one kept with its model) in
+    ``<save_dir>/tokenizer``, unless one is found beside the save_dir already (a run saved where its model is):
+    the run's checkpoints are then read as text by the tokenizer they were trained with (`zinfjax evaluate`,
+    `zinfjax generate`, `zinfjax convert --to hf`), as a converted model's are. Returns where it was kept, or None.
+    A run whose checkpoints name a frozen base keeps none: its tokenizer is found beside that base."""
+    source = tokenizer if tokenizer is not None else tokenizer_dir(model)
+    if source in (None, "bytes") or beside(save_dir) is not None:
+        return None
+    return copy_tokenizer(source, os.path.join(save_dir, SUBDIR))
 
 
 def model_tokenizer(tokenizer: str | None, model: str, vocab_size: int, instead: str = DATA_INSTEAD):

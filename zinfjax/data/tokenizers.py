@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 
 from zinfjax.data.byte_text import BYTE_VOCAB, decode_bytes, encode_bytes
 from zinfjax.errors import ConfigError
@@ -69,6 +70,20 @@ class HFTokenizer:
 def has_tokenizer(directory: str) -> bool:
     """Whether ``directory`` holds a Hugging Face tokenizer's files."""
     return os.path.isdir(directory) and any(os.path.exists(os.path.join(directory, f)) for f in TOKENIZER_FILES)
+
+
+def copy_tokenizer(src: str | None, dst: str) -> str | None:
+    """Copies the Hugging Face tokenizer files of the directory ``src`` (if it holds a tokenizer) into ``dst``;
+    returns ``dst``, or None when there was none. A converted model, and a run's checkpoints, keep their tokenizer
+    so that their text is tokenized as in pretraining."""
+    if src is None or not has_tokenizer(src):
+        return None
+    os.makedirs(dst, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(dst, name))
+    return dst
 
 
 def directory_digest(directory: str) -> str:

@@ -26,7 +26,7 @@ from zinfjax._util.choices import TIER_KEYS
 from zinfjax.checkpoint import CheckpointManager, CheckpointSaveError
 from zinfjax.checkpoint.format import step_dir
 from zinfjax.checkpoint.resume import choose_start
-from zinfjax.checkpoint.tokenizer import model_tokens
+from zinfjax.checkpoint.tokenizer import keep_tokenizer, model_tokens
 from zinfjax.checkpoint.verify import verify_checkpoint
 from zinfjax.config import Config
 from zinfjax.data import Batches
@@ -266,6 +266,8 @@ class Saver:
         self.every, self.trainer = config.save_every, trainer
         self.manager = CheckpointManager(config.save_dir, keep=config.keep_checkpoints, config=config,
                                          model=model_config, run_id=run_id)
+        if is_main_process() and not getattr(trainer.engine, "base", None):  # a named base keeps the tokenizer
+            keep_tokenizer(config.save_dir, config.model, config.tokenizer)
         self.saved = [start]  # this run's checkpoints, and the one it resumed from (0: none, or a converted one)
         self.final: int | None = None
         self.final_error = None
