@@ -25,6 +25,7 @@ def test_asking_for_a_gpu_on_a_machine_without_one_names_the_platforms_found(tmp
                                   "one is, or pass --platform cpu for a dry run")
 
 
+@pytest.mark.slow
 def test_the_cpu_dry_run_reports_every_placement(tmp_path):
     out = run("--platform", "cpu", "--model", "gpt2-tiny", "--batch-size", "2", "--seq-len", "16", "--grad-accum",
               "1", "--steps", "3", tmp_path=tmp_path)

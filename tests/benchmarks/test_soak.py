@@ -36,6 +36,7 @@ def _soak(tmp_path, capsys, *args: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_a_short_soak_keeps_descriptors_threads_and_disk_bounded(tmp_path, capsys):
     s = SHORT
     out = _soak(tmp_path, capsys, "--model", "gpt2-tiny", "--steps", str(s["steps"]), "--save-every", str(s["every"]),

@@ -194,6 +194,7 @@ def follows(tmp_path, steps: int, frozen=FROZEN, **extra) -> tuple[list, list]:
 
 
 @pytest.mark.numeric
+@pytest.mark.slow
 def test_the_first_half_frozen_through_multi_transform_is_exact_on_nvme(tmp_path):
     exact_losses, ref_losses = follows(tmp_path / "a", 6)
     c = zinfjax.Config(nvme_path=str(tmp_path / "b"), **NVME)

@@ -83,6 +83,7 @@ def assert_flat(small: dict, large: dict, what: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_peak_rss_does_not_grow_with_layers_when_state_is_on_nvme(tmp_path):
     base = ModelConfig.named("gpt2-mini").replace(vocab_size=256, **WIDE)
     assert_flat(train(base.replace(n_layers=16), tmp_path, "l16"), train(base.replace(n_layers=32), tmp_path, "l32"),

@@ -87,6 +87,7 @@ def test_llama_with_tensor_parallelism_at_stage3_equals_the_reference(reference,
 
 
 @pytest.mark.numeric
+@pytest.mark.slow
 def test_stage3_on_nvme_with_spooled_clipping_and_accumulation(reference, tmp_path):
     """Sharded gradients go through the gradient tier and the second sweep."""
     numerics = dict(grad_clip=0.05, grad_accum=2)
@@ -113,6 +114,7 @@ def _per_device(runs, stage: int, op: str, counts) -> dict[int, int]:
 # stage 0); the wide form adds 4 devices, two runs of their own, for make test-all.
 @pytest.mark.parametrize("counts", [(1, 2, 8), pytest.param((1, 2, 4, 8), marks=pytest.mark.wide)])
 @pytest.mark.parametrize("op", ["read", "write"])
+@pytest.mark.slow
 def test_nvme_bytes_per_device_fall_as_one_over_n_at_stage3(runs, op, counts):
     """Bandwidth-centric partitioning: each device moves only its own shard of each layer.
 

@@ -132,6 +132,7 @@ def wrapped_run(model, tx, data, tmp_path, tier="nvme", **config):
 
 
 @pytest.mark.numeric
+@pytest.mark.slow
 def test_each_tile_is_a_unit_and_the_run_is_the_in_memory_loop(tmp_path):
     model, tx, data = TiledLM(), optax.adamw(1e-3, weight_decay=0.01), batches()
     params, losses, out, groups, stores = wrapped_run(model, tx, data, tmp_path)
@@ -169,6 +170,7 @@ def test_a_tile_leaf_read_outside_its_tile_scan_is_refused_by_name():
 
 
 @pytest.mark.numeric
+@pytest.mark.slow
 def test_tiled_mlp_layers_of_linen_stream_tile_by_tile_through_wrap(tmp_path):
     """`zinfjax.TiledMLP` inside ``nn.scan`` blocks (`tests.support.tiled_models`), through `zinfjax.wrap` on NVMe."""
     model, tx = tiled_models.TiledBlockLM(), optax.adamw(1e-3)

@@ -163,6 +163,7 @@ def above_this_process(nbytes: int) -> int:
     return rss.current_bytes() + nbytes
 
 
+@pytest.mark.slow
 def test_nvme_path_alone_fills_memory_first_and_holds_the_budget(tmp_path, monkeypatch):
     """No tier key and an nvme_path: tiers=auto is the default. gpt2-small (1.5 GB of fp32 parameters and Adam state)
     under a budget 1.1 GiB above this process: the run takes the plan's placement, which keeps part of the state in

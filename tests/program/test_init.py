@@ -96,6 +96,7 @@ def test_the_budget_sets_buffers_and_read_ahead_unless_given(tmp_path):
     engine.close()
 
 
+@pytest.mark.slow
 def test_sigkill_during_initialisation_leaves_nothing_a_resume_mistakes_for_a_state(tmp_path):
     sets = ["model=gpt2-mini", "steps=2", "batch_size=2", "seq_len=16", f"save_dir={tmp_path / 'ckpt'}",
             f"nvme_path={tmp_path / 'nv'}", "params=nvme", "optimizer=nvme", "mesh=data:1"]

@@ -70,6 +70,7 @@ def test_reference_two_processes_match_one_process(one_process_four_devices, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.wide), 3])
+@pytest.mark.slow
 def test_engine_on_nvme_two_processes_match_one_process(one_process_four_devices, tmp_path, stage):
     """Also saves checkpoints at steps 2 and 3 from both processes (docs/checkpoint.md).
 

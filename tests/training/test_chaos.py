@@ -95,6 +95,7 @@ def root(tmp_path):
 
 # The last kill's step is at most 2 x kills, before the last step: the run never ends before it.
 @pytest.mark.parametrize("kills,steps", [(2, 6), pytest.param(4, 10, marks=pytest.mark.wide)])
+@pytest.mark.slow
 def test_sigkill_at_random_points_ends_bit_identical_to_an_uninterrupted_run(root, kills, steps):
     assert 2 * kills < steps
     reference, chaos = root / "reference", root / "chaos"

@@ -64,6 +64,7 @@ CASES = {  # case: (what the faulty disk holds, which I/O fails, the error's fir
 # make test runs the NVMe read fault (about 50 s with the reference run); make test-all adds the other two.
 @pytest.mark.parametrize("case", ["nvme-read", pytest.param("nvme-write", marks=pytest.mark.wide),
                                   pytest.param("mid-save", marks=pytest.mark.wide)])
+@pytest.mark.slow
 def test_a_disk_fault_stops_the_run_in_one_line_and_resume_ends_bit_identical(tmp_path, disk, reference, case):
     held, mode, openings = CASES[case]
     healthy = tmp_path / "healthy"

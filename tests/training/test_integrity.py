@@ -102,6 +102,7 @@ def reference(tmp_path_factory):
     return losses(root / "log.json"), chunk_files(root / "ckpt" / str(STEPS)), root.parent / "jax-cache"
 
 
+@pytest.mark.slow
 def test_a_bit_flipped_in_the_live_state_stops_the_run_naming_the_chunk_and_resume_ends_bit_identical(
         tmp_path, reference):
     want_losses, want_files, cache = reference

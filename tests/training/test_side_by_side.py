@@ -101,6 +101,7 @@ def _assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
 
 # make test runs two at once; make test-all three.
 @pytest.mark.parametrize("seeds", [SEEDS[:2], pytest.param(SEEDS, marks=pytest.mark.wide)], ids=len)
+@pytest.mark.slow
 def test_runs_at_once_each_in_its_own_1_GiB_cgroup_equal_each_run_alone(tmp_path, seeds):
     assert MemoryCgroup.available(), "this test runs zinfjax train in cgroup v1 memory groups: run it as root"
     alone = {s: _together(tmp_path / "alone", [s])[s] for s in seeds}  # one at a time

@@ -50,6 +50,7 @@ def _assert_trained(result: dict, limit: int, steps: int) -> dict:
     return log
 
 
+@pytest.mark.slow
 def test_a_block_larger_than_its_cgroup_is_refused_untiled_and_trains_in_tiles(tmp_path):
     (tmp_path / "mid.yaml").write_text(MID)
     limit = 1 << 30
