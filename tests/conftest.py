@@ -38,13 +38,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):
-    """A low-precision test is a numeric one too: `make test-portable` runs every numeric test (pyproject.toml).
-    The files that hold a slow test run first: xdist hands each worker a file at a time in this order, and a slow
-    file left for last would keep one worker busy while the other waits (make test: about 4 minutes)."""
+    """A low-precision test is a numeric one too: `make test-portable` runs every numeric test (pyproject.toml)."""
     import pytest
 
     for item in items:
         if item.get_closest_marker("low_precision"):
             item.add_marker(pytest.mark.numeric)
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file's tests keep their order
