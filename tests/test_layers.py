@@ -95,3 +95,50 @@ def test_no_module_over_600_lines_and_no_function_over_60():
                 too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: "
                                 f"{node.end_lineno - node.lineno + 1} lines")
     assert too_long == []
+
+
+# The engine runs what `zinfjax.program` hands it and never sees a jaxpr (docs/design.md, "Versions"): no JAX
+# core module, no jaxpr helper, and no attribute that only an equation or a jaxpr has.
+JAXPR_MODULES = ("jax.core", "jax.extend", "jax._src", "zinfjax.program.jaxpr")
+JAXPR_ATTRIBUTES = frozenset({"eqn", "eqns", "jaxpr", "closed", "invars", "outvars", "constvars", "primitive"})
+
+
+def _dotted(node) -> str | None:
+    """``a.b.c`` for an attribute chain on a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def _jaxpr_uses(text: str) -> list[str]:
+    """Where ``text`` (a module's source) imports or names a jaxpr module, or reads a jaxpr's attribute."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute):
+            names = [_dotted(node) or ""]
+            if node.attr in JAXPR_ATTRIBUTES:
+                found.append(f"{node.lineno}: .{node.attr}")
+        found += [f"{node.lineno}: {n}" for n in names if any(n == m or n.startswith(m + ".") for m in JAXPR_MODULES)]
+    return sorted(found, key=lambda where: int(where.split(":")[0]))
+
+
+def test_the_engine_never_sees_a_jaxpr():
+    found = [f"{path.relative_to(ROOT)}:{where}" for path in sorted((ROOT / "zinfjax" / "engine").rglob("*.py"))
+             for where in _jaxpr_uses(path.read_text())]
+    assert found == [], "the engine reads what zinfjax.program hands it (its records and stage functions), " \
+                        "not these:\n" + "\n".join(found)
+
+
+def test_the_jaxpr_check_finds_each_way_in():
+    for leak in ("import jax.extend.core as jc", "from jax import core", "from jax._src import core",
+                 "from zinfjax.program import jaxpr as jx", "x = jax.core.Var", "n = stage.eqn.params['length']",
+                 "f(closed.jaxpr)", "for e in stage.eqns: pass", "v = body.outvars[0]"):
+        assert _jaxpr_uses(leak), leak
+    assert _jaxpr_uses("import jax\nimport jax.numpy as jnp\nx = stage.params[0]\ny = jax.typeof(x)") == []

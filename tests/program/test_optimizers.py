@@ -134,14 +134,14 @@ def sliced_update(plan, program, params, grads, state):
                          [_cut(plan, x, gf[x.index], i) for x in leaves], state_slices, globals_,
                          [totals[v] for v in plan.totals_before(sweep)], 0 if window is None else window.start)
                 for c, value in zip(plan.crosses_of(g.name, sweep), out[0], strict=True):
-                    parts.setdefault(c.eqn.outvars[0], []).append(value)
+                    parts.setdefault(c.out, []).append(value)
                 if sweep == plan.sweeps - 1:  # earlier sweeps return partials only
                     for x, v in zip(leaves, out[1], strict=True):
                         new_p.setdefault(x.index, []).append(v)
                     for s, v in zip(plan.state_of(g.name), out[2], strict=True):
                         new_s.setdefault(s.index, []).append(v)
         totals.update(combine_partials([c for c in plan.crosses if c.phase == sweep], parts))
-    new_globals = plan.finish()(globals_, [totals[c.eqn.outvars[0]] for c in plan.crosses])
+    new_globals = plan.finish()(globals_, [totals[c.out] for c in plan.crosses])
     flat_s = list(sf)
     for s, v in zip(plan.globals, new_globals, strict=True):
         flat_s[s.index] = v

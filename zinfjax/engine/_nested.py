@@ -23,7 +23,6 @@ import numpy as np
 
 from zinfjax.engine._step_io import track
 from zinfjax.engine.readahead import Read
-from zinfjax.program import jaxpr as jx
 from zinfjax.program.residuals import differentiable, zero_cotangent
 
 
@@ -110,7 +109,7 @@ class NestedScan:
         stage, env, a = self.stage, {}, self.engine.micro
         n_c, n_k = stage.num_consts, stage.num_carry
         for j, (kind, what) in enumerate(stage.operands):
-            var = self.body.invars[j]
+            var = self.body.inputs[j]
             if n_c <= j < n_c + n_k:
                 env[var] = self.fwd["carry"][j - n_c]
             elif kind == "var":
@@ -166,11 +165,11 @@ class NestedScan:
             ops.append(self.op("tile_fwd", t, self._reads(tiles, i, t), run))
 
         def end(_):
-            env, n_k = self.envs[i], sub.num_carry
-            env.update(zip(sub.eqn.outvars[:n_k], state["carry"], strict=True))
-            for j, v in enumerate(sub.eqn.outvars[n_k:]):
-                if jx.is_var(v):
-                    env[v] = jnp.stack([state["ys"][t][j] for t in range(sub.length)], axis=1)
+            env = self.envs[i]
+            env.update(zip([c.var for c in sub.loop.carry], state["carry"], strict=True))
+            for j, y in enumerate(sub.loop.ys):
+                if not y.dropped:
+                    env[y.var] = jnp.stack([state["ys"][t][j] for t in range(sub.length)], axis=1)
             state.clear()
 
         ops.append(self.op("tiles_end", i, [], end))
@@ -181,19 +180,18 @@ class NestedScan:
         return jnp.broadcast_to(value, (self.engine.micro, *np.shape(value)))
 
     def _leave(self, i: int, _) -> None:
-        outs = [jx.read(self.envs[i], v) for v in self.body.outvars]
+        outs = [self.envs[i][what] if kind == "var" else what for kind, what in self.body.results]
         n_k = self.stage.num_carry
         self.fwd["carry"], self.fwd["ys"][i] = outs[:n_k], outs[n_k:]
         self.layer = {}
 
     def _end(self, _) -> None:
         stage, step = self.stage, self.step
-        n_k = stage.num_carry
         step.final_carry[stage.position] = self.fwd["carry"]
-        values = dict(zip(stage.eqn.outvars[:n_k], self.fwd["carry"], strict=True))
-        for j, v in enumerate(stage.eqn.outvars[n_k:]):
-            if v in stage.outputs:
-                values[v] = jnp.stack([self.fwd["ys"][i][j] for i in range(stage.length)], axis=1)
+        values = dict(zip([c.var for c in stage.loop.carry], self.fwd["carry"], strict=True))
+        for j, y in enumerate(stage.loop.ys):
+            if y.var in stage.outputs:
+                values[y.var] = jnp.stack([self.fwd["ys"][i][j] for i in range(stage.length)], axis=1)
         step.env.update({v: values[v] for v in stage.outputs})
         self.fwd.clear()
 
@@ -207,12 +205,14 @@ class NestedScan:
         return f"{self.label}.{sub.kind}{sub.position}"
 
     def _ct(self, v):
+        """The cotangent of the body's variable ``v`` so far (zeros when it has none yet, None for integers)."""
         if v in self.cts:
             return self.cts[v]
-        return zero_cotangent(jx.read(self.envs[self.bwd["layer"]], v)) if differentiable(v.aval) else None
+        return zero_cotangent(self.envs[self.bwd["layer"]][v]) if differentiable(v.aval) else None
 
     def _add_ct(self, v, c) -> None:
-        if c is None or not jx.is_var(v) or not differentiable(v.aval):
+        """Adds ``c`` to the cotangent of the body's variable ``v`` (never a literal: callers pass variables)."""
+        if c is None or not differentiable(v.aval):
             return
         self.cts[v] = self.cts[v] + c if v in self.cts else c
 
@@ -227,8 +227,7 @@ class NestedScan:
 
         def begin(trees):
             self.outer_params = step._values(stage.params, groups, trees)
-            outvars = stage.eqn.outvars[: stage.num_carry]
-            self.bwd["d_carry"] = [step._cotangent(v) if v in stage.outputs else None for v in outvars]
+            self.bwd["d_carry"] = [step._cotangent(c.var) if c.var in stage.outputs else None for c in stage.loop.carry]
             self.bwd.update(d_ins={}, d_xs={}, d_params={})
 
         ops = [self.op("scan_bwd_begin", stage.position, reads, begin)]
@@ -245,12 +244,13 @@ class NestedScan:
         and what its update reads, held until the layer's backward ran."""
         self.bwd["upd"] = self._hold_layer(trees)
         self.bwd["layer"], self.cts, self.pending = i, {}, {}
-        n_k = self.stage.num_carry
-        for v, c in zip(self.body.outvars[:n_k], self.bwd["d_carry"], strict=True):
-            self._add_ct(v, c)
-        for v, outer in zip(self.body.outvars[n_k:], self.stage.eqn.outvars[n_k:], strict=True):
-            if outer in self.step.cts:
-                self._add_ct(v, self.step.cts[outer][:, i])
+        n_k, results = self.stage.num_carry, self.body.results
+        for (kind, v), c in zip(results[:n_k], self.bwd["d_carry"], strict=True):
+            if kind == "var":
+                self._add_ct(v, c)
+        for (kind, v), outer in zip(results[n_k:], self.stage.loop.ys, strict=True):
+            if kind == "var" and outer.var in self.step.cts:
+                self._add_ct(v, self.step.cts[outer.var][:, i])
 
     def _update_layer(self, i: int) -> None:
         """Layer ``i``'s own group, updated from the gradients its stages left (zeros for a leaf none used)."""
@@ -289,7 +289,7 @@ class NestedScan:
 
         def begin(trees):
             state["params"] = self._params(sub.params, groups, trees)
-            state["d_carry"] = [self._ct(v) for v in sub.eqn.outvars[: sub.num_carry]]
+            state["d_carry"] = [self._ct(c.var) for c in sub.loop.carry]
             state.update(d_ins=None, d_xs={})
 
         ops = [self.op("tiles_bwd_begin", i, self._reads(groups, i), begin)]
@@ -316,9 +316,8 @@ class NestedScan:
     def _tile_step(self, sub, state, i: int, t: int, tiles: list, trees: list) -> None:
         env, n = self.envs[i], len(tiles)
         slices = self.step._values(sub.streams, tiles, trees[:n])
-        outvars = sub.eqn.outvars[sub.num_carry:]
-        d_ys = [self.cts[v][:, t] if v in self.cts else zero_cotangent(env[v][:, t]) if differentiable(v.aval)
-                else None for v in outvars]
+        d_ys = [self.cts[y.var][:, t] if y.var in self.cts else zero_cotangent(env[y.var][:, t])
+                if differentiable(y.like) else None for y in sub.loop.ys]
         args = (f"{self._label(sub)}_bwd", t)
         if self.engine.saves_residuals:
             d_params, d_slices, d_ins, state["d_carry"], d_xs = self.io.dispatch(
@@ -343,7 +342,7 @@ class NestedScan:
     def _bwd_leave(self, i: int, _) -> None:
         """The carry's cotangent for the layer below, and layer ``i``'s share of the consts' and xs' cotangents."""
         stage, n_c, n_k = self.stage, self.stage.num_consts, self.stage.num_carry
-        invars = self.body.invars
+        invars = self.body.inputs
         self.bwd["d_carry"] = [self.cts.get(v) for v in invars[n_c : n_c + n_k]]
         xs = {}
         for j, (kind, what) in enumerate(stage.operands):

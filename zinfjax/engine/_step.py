@@ -30,7 +30,6 @@ from zinfjax.engine._step_io import StepEngine, StepIO, track
 from zinfjax.engine._update import Updates
 from zinfjax.engine.readahead import Read
 from zinfjax.engine.stores import dir_name
-from zinfjax.program import jaxpr as jx
 from zinfjax.program.residuals import differentiable, zero_cotangent
 from zinfjax.program.split import Program
 
@@ -163,13 +162,11 @@ class Step:
             ops.append(Op("scan_fwd", i, s_reads, run))
 
         def end(_):
-            outvars = stage.eqn.outvars
-            n_k = stage.num_carry
             self.final_carry[stage.position] = state["carry"]
-            values = dict(zip(outvars[:n_k], state["carry"], strict=True))
-            for j, v in enumerate(outvars[n_k:]):
-                if v in stage.outputs:
-                    values[v] = jnp.stack([state["ys"][i][j] for i in range(stage.length)], axis=1)
+            values = dict(zip([c.var for c in stage.loop.carry], state["carry"], strict=True))
+            for j, y in enumerate(stage.loop.ys):
+                if y.var in stage.outputs:
+                    values[y.var] = jnp.stack([state["ys"][i][j] for i in range(stage.length)], axis=1)
             self.env.update({v: values[v] for v in stage.outputs})
             state.clear()
 
@@ -187,9 +184,9 @@ class Step:
         return zero_cotangent(self.env[v]) if differentiable(v.aval) else None
 
     def _add_ct(self, v, c) -> None:
+        """Adds ``c`` to the cotangent of ``v``, a variable a stage reads (its inputs: never a literal)."""
         program = self.program
-        if c is None or not jx.is_var(v) or v in program.batch_vars or v is program.rng_var or not differentiable(
-                v.aval):
+        if c is None or v in program.batch_vars or v is program.rng_var or not differentiable(v.aval):
             return
         self.cts[v] = self.cts[v] + c if v in self.cts else c
 
@@ -236,8 +233,7 @@ class Step:
 
         def begin(trees):
             state["params"] = self._values(stage.params, groups, trees)
-            outvars = stage.eqn.outvars
-            state["d_carry"] = [self._cotangent(v) if v in stage.outputs else None for v in outvars[: stage.num_carry]]
+            state["d_carry"] = [self._cotangent(c.var) if c.var in stage.outputs else None for c in stage.loop.carry]
             state["d_ins"], state["d_xs"], state["d_params"] = None, {}, {}
 
         ops = [Op("scan_bwd_begin", stage.position, reads, begin)]
@@ -325,10 +321,9 @@ class Step:
         # A carry with no cotangent yet gets zeros, so every iteration's backward has one signature (integers: None).
         state["d_carry"] = [zero_cotangent(x) if c is None and differentiable(jax.typeof(x)) else c
                             for x, c in zip(carry, state["d_carry"], strict=True)]
-        outvars = stage.eqn.outvars[stage.num_carry:]
-        d_ys = [self.cts[v][:, i] if v in self.cts else
-                zero_cotangent(jax.ShapeDtypeStruct((self.engine.micro, *v.aval.shape[1:]), v.aval.dtype))
-                if differentiable(v.aval) else None for v in outvars]
+        d_ys = [self.cts[y.var][:, i] if y.var in self.cts else
+                zero_cotangent(jax.ShapeDtypeStruct((self.engine.micro, *y.like.shape[1:]), y.like.dtype))
+                if differentiable(y.like) else None for y in stage.loop.ys]
         name = f"{label(self.program, stage)}_bwd"
         if saved:
             d_params, d_slices, d_ins, state["d_carry"], d_xs = self.io.dispatch(

@@ -145,7 +145,7 @@ class Updates:
                                                             engine.globals, totals, engine.units.start(group, i),
                                                             grad_div)
         for c, value in zip(engine.update_plan.crosses_of(group, sweep), partials, strict=True):
-            self._partials.setdefault(c.eqn.outvars[0], []).append(value)
+            self._partials.setdefault(c.out, []).append(value)
         if sweep < engine.update_plan.sweeps - 1:
             return
         paths, state_paths = engine.units.paths(group, leaves)
@@ -184,7 +184,7 @@ class Updates:
             for sweep in range(plan.sweeps):
                 self._sweep(sweep)
         totals = combine_partials(plan.crosses, self._partials)
-        return list(plan.finish()(engine.globals, [totals[c.eqn.outvars[0]] for c in plan.crosses]))
+        return list(plan.finish()(engine.globals, [totals[c.out] for c in plan.crosses]))
 
     def _sweep(self, sweep: int) -> None:
         engine = self.engine

@@ -171,13 +171,11 @@ def state_slice_shape(program, s) -> tuple[int, ...]:
 
 def acts_spec(config: Config, scan, placement, grad_accum: int) -> StoreSpec:
     """The activation checkpoints of one streamed scan: the carry entering each iteration."""
-    body = scan.eqn.params["jaxpr"].jaxpr
-    carry = body.invars[scan.num_consts : scan.num_consts + scan.num_carry]
     like = {}
-    for j, v in enumerate(carry):
-        shape = (grad_accum, *v.aval.shape)
+    for j, carry in enumerate(scan.loop.carry):  # the carry entering an iteration is of the final carry's type
+        shape = (grad_accum, *carry.like.shape)
         sharding = placement.rows_sharding((scan.length, *shape), lead=2)
-        like[f"carry{j}"] = jax.ShapeDtypeStruct((scan.length, *shape), v.aval.dtype, sharding=sharding)
+        like[f"carry{j}"] = jax.ShapeDtypeStruct((scan.length, *shape), carry.like.dtype, sharding=sharding)
     return StoreSpec("acts", f"s:scan{scan.position}", config.activations, like)
 
 

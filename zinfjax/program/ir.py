@@ -11,7 +11,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -137,6 +139,45 @@ class Whole:
     kind: str = "whole"
 
 
+class Output(NamedTuple):
+    """One output of a scan: the variable later stages read it by, and the shape and dtype of its values as
+    the program computes them (one micro-batch; a ``ys`` output stacked over the iterations).
+
+    A ``dropped`` output is one the program never reads: its ``var`` is a placeholder no stage names, kept
+    so that the engine can still hold the value (a dropped carry's cotangent is zeros of its value).
+    """
+
+    var: object
+    like: jax.ShapeDtypeStruct
+    dropped: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A scan's loop as the engine runs it: read once from its equation when the program is cut
+    (`zinfjax.program.split`), so the engine never reads the equation itself.
+
+    Its operands are ``num_consts`` consts, then ``num_carry`` carries, then the per-iteration ``xs``; its
+    outputs are the final ``carry`` (one `Output` per carry, whose ``like`` is also the type of the carry
+    entering each iteration), then the ``ys`` stacked over the ``length`` iterations.
+
+    Example:
+        >>> Loop(4, reverse=True, num_consts=0, num_carry=1, carry=(), ys=()).order()
+        [3, 2, 1, 0]
+    """
+
+    length: int
+    reverse: bool
+    num_consts: int
+    num_carry: int
+    carry: tuple[Output, ...]
+    ys: tuple[Output, ...]
+
+    def order(self) -> list[int]:
+        """The iterations in the order the scan runs them."""
+        return list(reversed(range(self.length))) if self.reverse else list(range(self.length))
+
+
 @dataclasses.dataclass(eq=False)
 class Scan:
     """A streamed scan: one iteration per slice of its streamed leaves.
@@ -144,11 +185,13 @@ class Scan:
     ``operands`` describes the body's inputs in order (consts, carry, xs), each one of
     ``("param", leaf)`` a whole leaf, ``("stream", leaf)`` a leaf's slice, ``("var", v)`` a
     residual (a per-iteration ``xs`` residual has the iteration axis after the micro-batch
-    axis), or ``("literal", value)``.
+    axis), or ``("literal", value)``. ``loop`` is what the engine reads of the scan's equation;
+    ``eqn`` itself is for `zinfjax.program` alone (its stage functions run the body).
     """
 
     position: int
     eqn: object
+    loop: Loop
     operands: list
     params: list[int]  # whole leaves it reads (flax variable_broadcast)
     streams: list[int]  # leaves it reads one slice at a time
@@ -159,23 +202,23 @@ class Scan:
 
     @property
     def length(self) -> int:
-        return int(self.eqn.params["length"])
+        return self.loop.length
 
     @property
     def reverse(self) -> bool:
-        return bool(self.eqn.params["reverse"])
+        return self.loop.reverse
 
     @property
     def num_consts(self) -> int:
-        return int(self.eqn.params["num_consts"])
+        return self.loop.num_consts
 
     @property
     def num_carry(self) -> int:
-        return int(self.eqn.params["num_carry"])
+        return self.loop.num_carry
 
     def order(self) -> list[int]:
         """The slices in the order the forward pass reads them."""
-        return list(reversed(range(self.length))) if self.reverse else list(range(self.length))
+        return self.loop.order()
 
     def _vars_in(self, lo: int, hi: int) -> list:
         return [what for kind, what in self.operands[lo:hi] if kind == "var"]

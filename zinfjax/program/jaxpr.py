@@ -190,6 +190,12 @@ def _fresh(var, mapping: dict):
     return fresh
 
 
+def placeholder():
+    """A fresh float32 scalar variable that no eqn defines: a stand-in where a list of variables needs an entry
+    for a value that is not there (a parameter a scan's body does not hold)."""
+    return jc.Var(jax.core.ShapedArray((), np.float32))
+
+
 def dce(eqns: Sequence, needed: Iterable) -> list:
     """The eqns that ``needed`` variables depend on, in order; effectful eqns are kept."""
     live = {a for a in needed if is_var(a)}

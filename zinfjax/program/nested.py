@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.extend.core as jc
-
 from zinfjax.program import jaxpr as jx
 from zinfjax.program.ir import DOCS, Group, NoScan, ProgramError, Stream
 
@@ -38,6 +35,9 @@ class Body:
 
     It has what `zinfjax.program.stages.StageFunctions` needs of a program (``constants``,
     ``param_vars`` by leaf index, ``stages``), so the stage functions of a body are built as a program's.
+    What the engine reads of it besides its stages: ``inputs``, the body's variables for the outer scan's
+    operands in order, and ``results``, its outputs in order (carry, then ys), each ``("var", v)`` or
+    ``("literal", value)`` as `zinfjax.program.ir.Scan` describes operands.
     """
 
     closed: object  # the body's closed jaxpr, every call inlined
@@ -46,18 +46,17 @@ class Body:
     num_consts: int
     num_carry: int
     streams: dict  # leaf index -> how the body's tile scans cut it (`Stream`), None where it reads it whole
+    inputs: tuple = dataclasses.field(init=False)
+    results: tuple = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        jaxpr = self.closed.jaxpr
+        self.inputs = tuple(jaxpr.invars)
+        self.results = tuple(("var", v) if jx.is_var(v) else ("literal", v.val) for v in jaxpr.outvars)
 
     @property
     def constants(self) -> dict:
         return dict(zip(self.closed.jaxpr.constvars, self.closed.consts, strict=True))
-
-    @property
-    def invars(self) -> list:
-        return list(self.closed.jaxpr.invars)
-
-    @property
-    def outvars(self) -> list:
-        return list(self.closed.jaxpr.outvars)
 
 
 def nest(program, splitter):
@@ -85,7 +84,7 @@ def _body(program, stage, splitter) -> Body | None:
         if program.leaves[k].stream.rows:
             raise ProgramError(f"parameter {paths[k]} is streamed in row chunks by a scan whose body scans over "
                                f"tiles; stack its layers instead (see {DOCS})")
-    param_vars = [held.get(k, jc.Var(jax.core.ShapedArray((), "float32"))) for k in range(len(program.leaves))]
+    param_vars = [held[k] if k in held else jx.placeholder() for k in range(len(program.leaves))]
     finals = [v for v in closed.jaxpr.outvars if jx.is_var(v)]
     eqns = jx.dce(closed.jaxpr.eqns, finals)
     cutter = splitter(closed, eqns, param_vars, paths)

@@ -195,7 +195,7 @@ class UpdatePlan:
 
     def totals_before(self, sweep: int) -> list:
         """Cross outputs combined before ``sweep`` starts."""
-        return [c.eqn.outvars[0] for c in self.crosses if c.phase < sweep]
+        return [c.out for c in self.crosses if c.phase < sweep]
 
     def part_state(self, group: str, part: tuple[int, ...] | None) -> list[StateLeaf]:
         """The state leaves of ``group`` that belong to the parameter leaves ``part`` (all when None)."""
@@ -238,7 +238,7 @@ class UpdatePlan:
         jaxpr = self.u_closed.jaxpr
         g = self.program.groups[group]
         last = sweep == self.sweeps - 1
-        partial_vars = [c.eqn.outvars[0] for c in self.crosses_of(group, sweep)]
+        partial_vars = [c.out for c in self.crosses_of(group, sweep)]
         if part is not None and (partial_vars or not self.separable(group)):
             raise AssertionError(f"the update of {group} does not split by leaf")
         param_idx = [k for k in g.leaves if part is None or k in part]
@@ -267,7 +267,7 @@ class UpdatePlan:
         """A jitted ``f(globals, totals) -> new globals``: the global state after the last sweep."""
         jaxpr = self.u_closed.jaxpr
         outs = [self.u_new_state[s.index] for s in self.globals]
-        total_vars = [c.eqn.outvars[0] for c in self.crosses]
+        total_vars = [c.out for c in self.crosses]
         eqns = _needed(jaxpr.eqns, outs, set(total_vars))
 
         def f(globals_, totals):
@@ -315,7 +315,7 @@ class UpdatePlan:
 
 def combine_partials(crosses: list, parts: dict) -> dict:
     """Totals ``{cross output var: value}`` from ``parts``: ``{cross output var: [partial per unit]}``."""
-    return {c.eqn.outvars[0]: combine(c.how, parts[c.eqn.outvars[0]]) for c in crosses if c.eqn.outvars[0] in parts}
+    return {c.out: combine(c.how, parts[c.out]) for c in crosses if c.out in parts}
 
 
 class _DynamicWindow(Window):

@@ -72,9 +72,12 @@ CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "cus
 
 @dataclasses.dataclass(frozen=True)
 class Cross:
-    """A cross eqn: its partial is computed per unit of ``group`` in sweep ``phase``, and combined by ``how``."""
+    """A cross eqn: its partial is computed per unit of ``group`` in sweep ``phase``, and combined by ``how``.
 
-    eqn: object
+    ``out`` is the eqn's output variable: the name of its partials and of their total.
+    """
+
+    out: object
     group: str
     phase: int
     how: str  # "sum", "max", "min", "and", "or", "prod", or "only" (one unit holds the whole value)
@@ -187,7 +190,7 @@ def _reduction(eqn, tag: Tag, phase: int, crosses) -> Info:
     else:
         return Info(Tag(tag.group, tag.dim - sum(a < tag.dim for a in axes)), phase)
     if crosses is not None:
-        crosses.append(Cross(eqn, tag.group, phase, how))
+        crosses.append(Cross(eqn.outvars[0], tag.group, phase, how))
     return Info(None, phase + 1)
 
 
@@ -232,7 +235,7 @@ def _dot(eqn, ins: list[Info], phase: int, crosses) -> Info:
     contracted = (lt is not None and lt.dim in lc) or (rt is not None and rt.dim in rc)
     if contracted and (lt is None or rt is None or lc.index(lt.dim) == rc.index(rt.dim)):
         if crosses is not None:
-            crosses.append(Cross(eqn, tag.group, phase, "sum"))
+            crosses.append(Cross(eqn.outvars[0], tag.group, phase, "sum"))
         return Info(None, phase + 1)
     if lt is not None and rt is None and lt.dim in lhs_free:
         return Info(Tag(tag.group, len(lb) + lhs_free.index(lt.dim)), phase)

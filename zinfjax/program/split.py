@@ -39,7 +39,9 @@ from zinfjax.program.ir import (  # noqa: F401 - the program's parts, where they
     DOCS,
     Group,
     Leaf,
+    Loop,
     NoScan,
+    Output,
     Program,
     ProgramError,
     Scan,
@@ -381,7 +383,7 @@ class _Splitter:
                     inputs.append(a)
             else:
                 operands.append(("literal", a.val))
-        return Scan(position, eqn, operands, sorted(set(params)), streams, inputs, outputs=[])
+        return Scan(position, eqn, _loop(eqn), operands, sorted(set(params)), streams, inputs, outputs=[])
 
     def _wire(self, stages, finals) -> None:
         """Each stage's outputs: the variables it defines that a later stage (or the loss) reads."""
@@ -397,6 +399,14 @@ class _Splitter:
                 stage = defined_by.get(v)
                 if stage is not None and v not in stage.outputs:
                     stage.outputs.append(v)
+
+
+def _loop(eqn) -> Loop:
+    """What the engine reads of a scan equation (`Loop`): its parameters and its outputs."""
+    params, n_k = eqn.params, int(eqn.params["num_carry"])
+    outs = tuple(Output(v, jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype), dropped=not jx.is_var(v))
+                 for v in eqn.outvars)
+    return Loop(int(params["length"]), bool(params["reverse"]), int(params["num_consts"]), n_k, outs[:n_k], outs[n_k:])
 
 
 def _root(eqn, producer):
