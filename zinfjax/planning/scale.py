@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zinfjax.models.configs import ModelConfig
+from zinfjax.models.configs import ModelConfig, tile_counts
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one value in the compute dtype (Config.precision)
 
@@ -116,13 +116,6 @@ def paper_working_memory(m: ModelConfig, precision: str) -> int:
     return 2 * ITEMSIZE[precision] * rows * cols
 
 
-def tile_counts(m: ModelConfig) -> list[int]:
-    """The tile counts a model can take: every common divisor of ``d_ff`` (the MLP splits along it) and
-    ``n_heads`` (attention splits into groups of heads), smallest first."""
-    g = math.gcd(m.d_ff, m.n_heads)
-    return [t for t in range(1, g + 1) if g % t == 0]
-
-
 @dataclass(frozen=True)
 class Unit:
     """One unit the engine streams: its parameters, and the activations (values) its compute holds."""
@@ -141,9 +134,10 @@ def units(m: ModelConfig, tiles: int, samples: int, seq_len: int) -> list[Unit]:
 
     A block's MLP splits along d_ff into ``tiles`` tiles (W_in[:, d_ff/T], its bias, W_out[d_ff/T, :];
     Llama: gate, up and down), attention into ``tiles`` groups of n_heads/T heads (q, k, v and the rows of
-    attn_out of those heads, with their biases; under GQA each group takes ceil(kv_heads/T) key-value
-    heads, so groups share a key-value head when T > kv_heads). What stays whole: the block's norms and
-    output biases, a vocabulary chunk (``ModelConfig.chunks``), the position table (GPT-2, BERT).
+    attn_out of those heads, with their biases; under GQA each group takes kv_heads/T key-value heads:
+    ``tiles`` is one of `zinfjax.models.configs.tile_counts`, so it divides kv_heads). What stays whole:
+    the block's norms and output biases, a vocabulary chunk (``ModelConfig.chunks``), the position table
+    (GPT-2, BERT).
 
     Activations, per token of the device's micro-batch (``rows = samples x seq_len``): a unit's input and
     output (d_model each) and the widths it makes; attention adds its probabilities, samples x heads x
