@@ -30,7 +30,8 @@ from zinfjax.checkpoint.errors import CheckpointError
 from zinfjax.checkpoint.manager import _commit, _syncfs, _write_metadata
 from zinfjax.checkpoint.snapshot import Leaf, leaf_name
 from zinfjax.program.optimizer import owner_of
-from zinfjax.program.split import path_str, plain_keys
+from zinfjax.program.split import plain_keys
+from zinfjax.sharding import path_str
 from zinfjax.store import chunkfile
 from zinfjax.store.nvme import aligned_empty
 

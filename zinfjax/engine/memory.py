@@ -16,8 +16,7 @@ import numpy as np
 import optax
 
 from zinfjax.program.optimizer import owner_of
-from zinfjax.program.split import path_str
-from zinfjax.sharding import ShardingRules, shard_shape
+from zinfjax.sharding import ShardingRules, path_str, shard_shape
 
 
 def stacked_blocks(path: str) -> bool:
