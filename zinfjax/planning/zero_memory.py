@@ -15,13 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zinfjax.models.layered import stacked_blocks
 from zinfjax.program.optimizer import owner_of
 from zinfjax.sharding import ShardingRules, path_str, shard_shape
-
-
-def stacked_blocks(path: str) -> bool:
-    """The reference models' layout: leaves under ``blocks/`` are stacked on a layer axis."""
-    return path.startswith("blocks/")
 
 
 def _cast(tree, dtype):
