@@ -31,7 +31,8 @@ from zinfjax.planning.machine import load_machine
 from zinfjax.planning.machine_plan import plan_for_machine
 from zinfjax.planning.recommend import REGIMES, PlanError, make_plan
 from zinfjax.planning.report import format_plan
-from zinfjax.planning.state import _specs, budgets, parameter_count, state_parts
+from zinfjax.planning.scale import parameter_count
+from zinfjax.planning.state import _specs, budgets, state_parts
 from zinfjax.planning.zero_memory import zero_formula
 from zinfjax.runtime import rss
 from zinfjax.sharding import make_mesh

@@ -36,10 +36,10 @@ def block_parameters(m: ModelConfig) -> int:
         >>> block_parameters(ModelConfig.named("gpt2-small"))     # 12 d^2 + 13 d
         7087872
     """
-    d, ff, kv = m.d_model, m.d_ff, m.kv_heads * m.head_dim
+    d, ff, q, kv = m.d_model, m.d_ff, m.n_heads * m.head_dim, m.kv_heads * m.head_dim  # q = d where heads divide d
     if m.arch == "llama":  # q, k, v, attn_out without biases; gate, up, down; two RMSNorms
-        return 2 * d * d + 2 * d * kv + 3 * d * ff + 2 * d
-    return 4 * d * d + 2 * d * ff + 9 * d + ff  # q, k, v, attn_out, fc, proj with biases; two LayerNorms
+        return 2 * d * q + 2 * d * kv + 3 * d * ff + 2 * d
+    return 4 * d * q + 3 * q + 2 * d * ff + 6 * d + ff  # q, k, v, attn_out, fc, proj with biases; two LayerNorms
 
 
 def outer_parameters(m: ModelConfig) -> int:
@@ -53,14 +53,29 @@ def outer_parameters(m: ModelConfig) -> int:
     return (v + m.max_seq_len) * d + 2 * d
 
 
+def adapter_parameters(m: ModelConfig) -> int:
+    """Parameters of one block's LoRA adapters (models/lora.py): ``r x (in + out)`` for each targeted projection.
+
+    Example:
+        >>> adapter_parameters(ModelConfig.named("gpt2-tiny").replace(lora_rank=4))   # q and v: 2 x 4 x (64 + 64)
+        1024
+    """
+    if not m.lora_rank:
+        return 0
+    d, ff, q, kv = m.d_model, m.d_ff, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+    shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, ff), "up": (d, ff), "down": (ff, d)}
+    return sum(m.lora_rank * sum(shapes[t]) for t in m.lora_targets)
+
+
 def parameter_count(m: ModelConfig) -> int:
-    """Every parameter of the model.
+    """Every parameter of the model, LoRA adapters included: the one count the planners use (`zinfjax plan`,
+    ``zinfjax plan --machine``) and the benchmarks report. A test holds it to ``jax.eval_shape`` of the models.
 
     Example:
         >>> parameter_count(ModelConfig.named("gpt2-small"))
         124439808
     """
-    return m.n_layers * block_parameters(m) + outer_parameters(m)
+    return m.n_layers * (block_parameters(m) + adapter_parameters(m)) + outer_parameters(m)
 
 
 def optimizer_slots(name: str) -> tuple[int, bool]:
