@@ -91,6 +91,8 @@ def optimizer_slots(name: str) -> tuple[int, bool]:
 def state_bytes(m: ModelConfig, precision: str, optimizer_name: str = "adamw") -> dict[str, int]:
     """Bytes of the model states: parameters and gradients in the compute dtype, the fp32 master (mixed
     precision only) and the optimizer state in fp32. The ZeRO papers' 16 bytes a parameter in fp16 + Adam.
+    Not `zinfjax.planning.zero_memory.state_bytes`, a device's share of a traced tree under the engine's
+    sharding rules, which counts gradients in fp32 as the engine's gradient tier holds them.
 
     Example:
         >>> s = state_bytes(ModelConfig.named("gpt2-small"), "fp16")
