@@ -72,14 +72,10 @@ def peak_flops(device, override: float | None) -> float | None:
 
 
 def param_count(model: str) -> int:
-    import jax
-
     from zinfjax.checkpoint.model import resolve_model
-    from zinfjax.models import build
-    from zinfjax.models.stacked import lm_init
+    from zinfjax.planning.scale import parameter_count
 
-    shapes = jax.eval_shape(lm_init(build(resolve_model(model))), jax.random.key(0))
-    return sum(x.size for x in jax.tree.leaves(shapes))
+    return parameter_count(resolve_model(model))
 
 
 def train(args, name: str, tiers: dict) -> dict:

@@ -101,7 +101,8 @@ def check_batch(batch_size: int, mesh: Mesh, grad_accum: int = 1) -> None:
 
 
 def path_str(path) -> str:
-    """A key path as ``a/b/c``, the form tensor-parallel rules match.
+    """A key path as ``a/b/c``: how every layer names a leaf (the program, its optimizer state, checkpoints), and
+    the form sharding and tensor-parallel rules match.
 
     Example:
         >>> path_str(jax.tree_util.tree_flatten_with_path({"q": {"kernel": 0}})[0][0][0])

@@ -39,7 +39,7 @@ from zinfjax.checkpoint import (
     inspect,
 )
 from zinfjax.checkpoint.snapshot import leaf_name
-from zinfjax.program.split import path_str
+from zinfjax.sharding import path_str
 
 NVME = dict(params="nvme", optimizer="nvme", gradients="nvme", activations="nvme")
 

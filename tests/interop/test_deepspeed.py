@@ -42,8 +42,7 @@ from zinfjax import Config, models  # noqa: E402
 from zinfjax.checkpoint import CheckpointSource, read_meta  # noqa: E402
 from zinfjax.checkpoint.snapshot import leaf_name  # noqa: E402
 from zinfjax.models.stacked import lm_loss  # noqa: E402
-from zinfjax.program.split import path_str  # noqa: E402
-from zinfjax.sharding import make_mesh  # noqa: E402
+from zinfjax.sharding import make_mesh, path_str  # noqa: E402
 from zinfjax.trainers.optimizers import make_optimizer  # noqa: E402
 from zinfjax.trainers.reference import make_step  # noqa: E402
 from zinfjax.trainers.streaming import lm_engine  # noqa: E402

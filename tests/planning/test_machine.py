@@ -4,19 +4,22 @@ Nothing is traced: the trillion-parameter figures come from the ModelConfig shap
 """
 
 import json
+import math
 import pathlib
 
+import jax
 import pytest
 
+from zinfjax import models
 from zinfjax.cli import main
 from zinfjax.config import Config
 from zinfjax.errors import ConfigError
 from zinfjax.models import ModelConfig
+from zinfjax.models.stacked import lm_init
 from zinfjax.planning.machine import load_machine
 from zinfjax.planning.machine_plan import WORKING_FRACTION, plan_for_machine
 from zinfjax.planning.recommend import PlanError
 from zinfjax.planning.scale import largest_unit, paper_working_memory, parameter_count, units
-from zinfjax.planning.state import parameter_count as traced_parameter_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DGX2 = str(ROOT / "examples" / "machines" / "dgx2-v100.yaml")
@@ -111,9 +114,21 @@ def test_10t_and_100t_nodes_and_tiles_on_dgx2(row, nodes, tiles):
     assert largest_unit(m, smaller, w["samples_per_device"], 1024, "fp16")[1] > WORKING_FRACTION * machine.device_memory
 
 
+def traced_parameter_count(m: ModelConfig) -> int:
+    """The leaves the model declares, from ``jax.eval_shape`` of its initialiser."""
+    abstract = jax.eval_shape(lm_init(models.build(m)), jax.random.key(0))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
+
+
 def test_parameter_counts_are_the_models_own():
+    """With LoRA adapters too (the count `zinfjax plan` reports for a model that has them), and with heads that do
+    not divide d_model (q, k, v as wide as the heads, not as d_model)."""
     for m in (ModelConfig.named("gpt2-tiny"), ModelConfig.named("llama-tiny"),
-              ModelConfig("bert", 1000, 64, 64, 2, 4, 256), ModelConfig("llama", 1000, 64, 64, 2, 8, 160, 2, True)):
+              ModelConfig("bert", 1000, 64, 64, 2, 4, 256), ModelConfig("llama", 1000, 64, 64, 2, 8, 160, 2, True),
+              ModelConfig.named("gpt2-tiny").replace(lora_rank=4),
+              ModelConfig.named("llama-tiny").replace(lora_rank=4, lora_targets=("q", "k", "v", "o", "gate", "up",
+                                                                                 "down")),
+              ModelConfig("gpt2", 300, 32, 96, 2, 5, 200), ModelConfig("llama", 300, 32, 100, 2, 6, 200, 2)):
         assert parameter_count(m) == traced_parameter_count(m)
 
 

@@ -15,7 +15,6 @@ from zinfjax.cli import main
 from zinfjax.config import TIER_KEYS, Config
 from zinfjax.engine.budget import heap_room
 from zinfjax.engine.engine import COMPUTE_DTYPES
-from zinfjax.engine.memory import zero_formula
 from zinfjax.engine.stores import StoreSpec, budget_needs
 from zinfjax.planning.calibrate import recompute_factor
 from zinfjax.planning.cost import (
@@ -32,7 +31,9 @@ from zinfjax.planning.machine import load_machine
 from zinfjax.planning.machine_plan import plan_for_machine
 from zinfjax.planning.recommend import REGIMES, PlanError, make_plan
 from zinfjax.planning.report import format_plan
-from zinfjax.planning.state import _specs, budgets, parameter_count, state_parts
+from zinfjax.planning.scale import parameter_count
+from zinfjax.planning.state import _specs, budgets, state_parts
+from zinfjax.planning.zero_memory import zero_formula
 from zinfjax.runtime import rss
 from zinfjax.sharding import make_mesh
 from zinfjax.trainers.streaming import lm_engine

@@ -13,8 +13,8 @@ import optax
 from zinfjax import Config, models
 from zinfjax.data import Batches, load_tokens
 from zinfjax.engine import Engine, TreeSource
-from zinfjax.engine.memory import zero_formula
 from zinfjax.models.stacked import lm_init, lm_loss
+from zinfjax.planning.zero_memory import zero_formula
 from zinfjax.sharding import make_mesh, replicated
 from zinfjax.trainers.optimizers import make_optimizer
 from zinfjax.trainers.reference import init_state, make_step

@@ -24,27 +24,12 @@ import os
 import shutil
 import sys
 
-import jax
-
 from zinfjax.benchmarks.cgroup import MemoryCgroup, train_in_cgroup
 from zinfjax.benchmarks.io import parse_size
 from zinfjax.models import ModelConfig
+from zinfjax.planning.scale import parameter_count
 
 ADAM_BYTES_PER_PARAM = 12  # fp32 parameter + Adam m + Adam v
-
-
-def param_count(config: ModelConfig) -> int:
-    """Parameters of a model of this size (from abstract shapes: nothing allocated).
-
-    Example:
-        >>> param_count(ModelConfig.named("gpt2-mini"))
-        4870656
-    """
-    from zinfjax import models
-    from zinfjax.models.stacked import lm_init
-
-    abstract = jax.eval_shape(lm_init(models.build(config)), jax.random.key(0))
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
 
 
 def sized_model(state_bytes: int, d_model: int, vocab_size: int = 256, seq_len: int = 64) -> ModelConfig:
@@ -57,7 +42,7 @@ def sized_model(state_bytes: int, d_model: int, vocab_size: int = 256, seq_len: 
     base = ModelConfig.named("gpt2-mini").replace(
         d_model=d_model, n_heads=d_model // 64, d_ff=4 * d_model, vocab_size=vocab_size, max_seq_len=seq_len,
         n_layers=1)
-    one, two = param_count(base), param_count(base.replace(n_layers=2))
+    one, two = parameter_count(base), parameter_count(base.replace(n_layers=2))
     block, outer = two - one, 2 * one - two  # one block's parameters; embed + head
     return base.replace(n_layers=max(1, math.ceil((state_bytes / ADAM_BYTES_PER_PARAM - outer) / block)))
 
@@ -96,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(state, ignore_errors=True)
-    n = param_count(model)
+    n = parameter_count(model)
     print(json.dumps({"state_GB": n * ADAM_BYTES_PER_PARAM / 1e9, "state_GiB": n * ADAM_BYTES_PER_PARAM / 2**30,
                       "params": n, "model": {"arch": model.arch, "d_model": model.d_model, "n_layers": model.n_layers,
                                              "vocab_size": model.vocab_size},

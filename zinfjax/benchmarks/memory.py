@@ -26,10 +26,10 @@ import os
 import shutil
 import sys
 
-import jax
-
 from zinfjax.benchmarks.cgroup import MemoryCgroup, train_in_cgroup
 from zinfjax.benchmarks.io import parse_size, raw_direct_io
+from zinfjax.models.configs import ModelConfig
+from zinfjax.planning.scale import parameter_count
 
 RUNS = {
     "gpt2-small": dict(sets=["model=gpt2-small", "batch_size=4", "seq_len=128", "steps=5", "memory_limit=1GiB"],
@@ -43,15 +43,6 @@ STATE_BYTES = {"fp32": 16, "bf16": 18}  # ZeRO's model states per parameter
 INIT_BYTES = {"fp32": 12, "bf16": 14}  # what initialisation writes: params (+ master), Adam m and v
 
 
-def params_of(model: str) -> int:
-    """The parameters of a named model (from abstract shapes: nothing allocated)."""
-    from zinfjax import models
-    from zinfjax.models.stacked import lm_init
-
-    abstract = jax.eval_shape(lm_init(models.build(model)), jax.random.key(0))
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
-
-
 def run_one(name: str, spec: dict, args) -> dict:
     limit = parse_size(spec["limit"])
     state_dir = os.path.join(args.dir, name, "nvme")
@@ -61,7 +52,7 @@ def run_one(name: str, spec: dict, args) -> dict:
     finally:
         shutil.rmtree(state_dir, ignore_errors=True)
     precision = "bf16" if "precision=bf16" in spec["sets"] else "fp32"
-    n = params_of(name)
+    n = parameter_count(ModelConfig.named(name))
     result.update({"params": n, "precision": precision, "state_GB": n * STATE_BYTES[precision] / 1e9,
                    "init_write_GB": n * INIT_BYTES[precision] / 1e9, "config": sets})
     if "peak_rss_GB" in result:

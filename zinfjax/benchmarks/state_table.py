@@ -1,7 +1,7 @@
 """The per-device model-state table of docs/sharding.md: a named model under ZeRO stages 0-3, nothing allocated.
 
-The bytes come from `zinfjax.engine.memory` (the engine's own sharding rules); this module adds
-the model, which the engine does not know (docs/design.md, the layering).
+The bytes come from `zinfjax.planning.zero_memory` (the engine's own sharding rules); this module adds
+the model and the table.
 
 Example:
     $ python -m zinfjax.benchmarks.state_table --model gpt2-small --devices 8
@@ -16,8 +16,8 @@ import jax
 import optax
 
 from zinfjax import models
-from zinfjax.engine.memory import PRECISIONS, state_bytes, zero_formula
 from zinfjax.models.stacked import lm_init
+from zinfjax.planning.zero_memory import PRECISIONS, state_bytes, zero_formula
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
 
 

@@ -29,10 +29,10 @@ import subprocess
 import sys
 import time
 
-from zinfjax.benchmarks.capacity import param_count
 from zinfjax.benchmarks.cgroup import MemoryCgroup, disk_read_bytes
 from zinfjax.benchmarks.children import one_device_env
 from zinfjax.benchmarks.io import parse_size, raw_direct_io
+from zinfjax.planning.scale import parameter_count
 from zinfjax.runtime import allocator
 from zinfjax.runtime.allocator import tune_allocator
 from zinfjax.runtime.rss import peak_bytes as peak_rss_bytes
@@ -161,7 +161,7 @@ def summary(args, runs: dict, raw: list[dict], isolation: str) -> dict:
     write_bw = statistics.mean(r["raw_write_GBps"] for r in raw) * GB
     floor = nvme["read_bytes_nvme"] / read_bw + nvme["write_bytes_nvme"] / write_bw
     model = bench_model(args)
-    n = param_count(model)
+    n = parameter_count(model)
     return {
         "reference_step_s": runs["reference"]["step_s"],
         "device_step_s": runs["device"]["step_s"],

@@ -32,7 +32,7 @@ from zinfjax.checkpoint.errors import CheckpointMismatchError
 from zinfjax.checkpoint.manager import latest_checkpoint
 from zinfjax.checkpoint.reader import LeafReader
 from zinfjax.checkpoint.snapshot import leaf_name
-from zinfjax.program.split import path_str
+from zinfjax.sharding import path_str
 
 
 def expected_items(program, plan, params_dtype=np.float32) -> dict[str, dict[str, dict]]:

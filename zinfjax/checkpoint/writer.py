@@ -29,15 +29,12 @@ from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import CheckpointError
 from zinfjax.checkpoint.manager import _commit, _syncfs, _write_metadata
 from zinfjax.checkpoint.snapshot import Leaf, leaf_name
+from zinfjax.models.layered import stacked_blocks
 from zinfjax.program.optimizer import owner_of
-from zinfjax.program.split import path_str, plain_keys
+from zinfjax.program.split import plain_keys
+from zinfjax.sharding import path_str
 from zinfjax.store import chunkfile
 from zinfjax.store.nvme import aligned_empty
-
-
-def stacked_blocks(path: str) -> bool:
-    """The reference models' layout: leaves under ``blocks/`` are stacked on a layer axis."""
-    return path.startswith("blocks/")
 
 
 def expected_leaves(abstract_params, tx, stacked=stacked_blocks) -> dict[str, dict[str, Leaf]]:

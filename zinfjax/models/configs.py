@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
-
-import numpy as np
 
 from zinfjax._util.mapping_files import read_mapping
 from zinfjax.errors import ConfigError
 from zinfjax.models.lora import check_targets
+from zinfjax.models.tiled import divisors
 from zinfjax.models.vocab import vocab_chunks
 
 ARCH_NAMES = ("gpt2", "llama", "bert")
@@ -106,10 +106,10 @@ class ModelConfig:
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))  # a list, from a checkpoint's JSON
         if self.lora_rank:
             check_lora(self)
-        if self.tiles != 1 and self.arch == "bert":
-            raise ConfigError(f"tiles={self.tiles}: BERT's blocks are not tiled; use tiles=1")
-        if self.tiles != 1:
-            check_tiles(self.tiles, {"d_ff": self.d_ff, "n_heads": self.n_heads, "n_kv_heads": self.kv_heads})
+        if self.tiles != 1 and self.tiles not in tile_counts(self):
+            if self.arch == "bert":
+                raise ConfigError(f"tiles={self.tiles}: BERT's blocks are not tiled; use tiles=1")
+            check_tiles(self.tiles, tiled_dims(self))
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -127,6 +127,27 @@ def check_lora(c: ModelConfig) -> None:
                           "set tiles=1")
 
 
+def tiled_dims(c: ModelConfig) -> dict[str, int]:
+    """The dimensions a tile count cuts into equal parts (models/tiling.py's ``tile_view``): the MLP's hidden
+    units, the query heads and the key-value heads (the GPT-2 and Llama blocks' ``_tiled``)."""
+    return {"d_ff": c.d_ff, "n_heads": c.n_heads, "n_kv_heads": c.kv_heads}
+
+
+def tile_counts(c: ModelConfig) -> list[int]:
+    """The tile counts the model takes, fewest first: the common divisors of `tiled_dims`; 1 alone for BERT,
+    whose blocks are not tiled. ``ModelConfig`` refuses any other count; the planners pick from these.
+
+    Example:
+        >>> tile_counts(NAMED["gpt2-tiny"])
+        [1, 2, 4, 8]
+        >>> tile_counts(NAMED["llama-1b"])       # grouped-query attention: 32 query heads share 4 key-value heads
+        [1, 2, 4]
+    """
+    if c.arch == "bert":
+        return [1]
+    return divisors(math.gcd(*tiled_dims(c).values()))
+
+
 def check_tiles(tiles: int, dims: dict[str, int]) -> None:
     """A tile count that divides every dimension it cuts; the error names the ones that work.
 
@@ -140,10 +161,9 @@ def check_tiles(tiles: int, dims: dict[str, int]) -> None:
         raise ConfigError(f"tiles={tiles} must be a positive count (or auto)")
     bad = [name for name, n in dims.items() if n % tiles]
     if bad:
-        common = np.gcd.reduce(list(dims.values()))
-        divisors = [str(k) for k in range(1, common + 1) if common % k == 0]
+        common = ", ".join(map(str, divisors(math.gcd(*dims.values()))))
         raise ConfigError(f"tiles={tiles} does not divide {', '.join(f'{b}={dims[b]}' for b in bad)}; tile counts "
-                          f"that divide {', '.join(dims)}: {', '.join(divisors)}")
+                          f"that divide {', '.join(dims)}: {common}")
 
 
 def _gpt2(vocab, ctx, d, layers, heads) -> ModelConfig:

@@ -99,6 +99,17 @@ def get_layers(model: Any) -> Layers:
     return layers
 
 
+def stacked_blocks(path: str) -> bool:
+    """Whether the leaf at ``path`` (`zinfjax.sharding.path_str`'s ``a/b/c``) is stacked on a layer axis: under
+    ``blocks/``, as the convention stacks them.
+
+    Example:
+        >>> stacked_blocks("blocks/fc/kernel"), stacked_blocks("embed/wte/embedding")
+        (True, False)
+    """
+    return path.startswith("blocks/")
+
+
 def layer_slice(blocks: Params, i: int) -> Params:
     """Layer ``i`` of the stacked block parameters."""
     return jax.tree.map(lambda x: x[i], blocks)

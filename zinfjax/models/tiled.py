@@ -66,6 +66,16 @@ MODELS = ((0,), (1,), (2,), (3,), (1, 2))
 FIT_TOLERANCE = 1e-4  # relative: fp32 rounding of the probes is 1e-7; a scale that is not of the model misses by O(1)
 
 
+def divisors(n: int) -> list[int]:
+    """The counts that cut ``n`` into equal whole parts, fewest first.
+
+    Example:
+        >>> divisors(12)
+        [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def check_splits(size: int, splits: int, what: str) -> int:
     """The size of one tile of a dimension of ``size`` cut in ``splits``; a `ConfigError` that names the divisors
     of ``size`` when ``splits`` does not divide it.
@@ -79,8 +89,8 @@ def check_splits(size: int, splits: int, what: str) -> int:
     """
     if isinstance(splits, int) and not isinstance(splits, bool) and splits >= 1 and size % splits == 0:
         return size // splits
-    divisors = ", ".join(str(d) for d in range(1, size + 1) if size % d == 0)
-    raise ConfigError(f"{what}={splits!r} does not divide {size}: use one of its divisors {divisors}")
+    raise ConfigError(f"{what}={splits!r} does not divide {size}: use one of its divisors "
+                      f"{', '.join(map(str, divisors(size)))}")
 
 
 def tile_kernel(kernel, in_splits: int, out_splits: int):

@@ -17,13 +17,12 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 from zinfjax._util.byte_sizes import format_bytes
 from zinfjax._util.choices import TIER_KEYS
 from zinfjax.checkpoint.model import resolve_model
 from zinfjax.config import Config
 from zinfjax.errors import ConfigError
+from zinfjax.models.configs import tile_counts
 from zinfjax.planning.cost import NOMINAL_TRAFFIC, placements, predict
 from zinfjax.planning.machine import Machine, load_machine
 from zinfjax.planning.recommend import PlanError, recommend
@@ -290,7 +289,7 @@ class _Setting:
         nodes, what it lacks at the limit and by how much, and how many nodes it would take."""
         mc = self.machine
         if self.tiling(MAX_NODES)[0] is None:
-            unit, nbytes = largest_unit(self.m, max(1, _max_tiles(self.m)), 1, self.config.seq_len,
+            unit, nbytes = largest_unit(self.m, tile_counts(self.m)[-1], 1, self.config.seq_len,
                                         self.config.precision)
             return (f"{self.config.model} fits no device of {mc.name}: even one sequence at the most tiles, its "
                     f"{unit.name} needs {format_bytes(nbytes)} of working memory, more than {WORKING_FRACTION:g} "
@@ -337,8 +336,3 @@ class _Setting:
             notes.append(f"a micro-batch of {c.batch_size // c.grad_accum} sequences leaves devices idle on "
                          f"{n} node(s): a device computes one sequence or none")
         return notes
-
-
-def _max_tiles(m) -> int:
-    return math.gcd(m.d_ff, m.n_heads)
-

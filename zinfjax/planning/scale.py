@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zinfjax.models.configs import ModelConfig
+from zinfjax.models.configs import ModelConfig, tile_counts
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one value in the compute dtype (Config.precision)
 
@@ -36,10 +36,10 @@ def block_parameters(m: ModelConfig) -> int:
         >>> block_parameters(ModelConfig.named("gpt2-small"))     # 12 d^2 + 13 d
         7087872
     """
-    d, ff, kv = m.d_model, m.d_ff, m.kv_heads * m.head_dim
+    d, ff, q, kv = m.d_model, m.d_ff, m.n_heads * m.head_dim, m.kv_heads * m.head_dim  # q = d where heads divide d
     if m.arch == "llama":  # q, k, v, attn_out without biases; gate, up, down; two RMSNorms
-        return 2 * d * d + 2 * d * kv + 3 * d * ff + 2 * d
-    return 4 * d * d + 2 * d * ff + 9 * d + ff  # q, k, v, attn_out, fc, proj with biases; two LayerNorms
+        return 2 * d * q + 2 * d * kv + 3 * d * ff + 2 * d
+    return 4 * d * q + 3 * q + 2 * d * ff + 6 * d + ff  # q, k, v, attn_out, fc, proj with biases; two LayerNorms
 
 
 def outer_parameters(m: ModelConfig) -> int:
@@ -53,14 +53,29 @@ def outer_parameters(m: ModelConfig) -> int:
     return (v + m.max_seq_len) * d + 2 * d
 
 
+def adapter_parameters(m: ModelConfig) -> int:
+    """Parameters of one block's LoRA adapters (models/lora.py): ``r x (in + out)`` for each targeted projection.
+
+    Example:
+        >>> adapter_parameters(ModelConfig.named("gpt2-tiny").replace(lora_rank=4))   # q and v: 2 x 4 x (64 + 64)
+        1024
+    """
+    if not m.lora_rank:
+        return 0
+    d, ff, q, kv = m.d_model, m.d_ff, m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+    shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, ff), "up": (d, ff), "down": (ff, d)}
+    return sum(m.lora_rank * sum(shapes[t]) for t in m.lora_targets)
+
+
 def parameter_count(m: ModelConfig) -> int:
-    """Every parameter of the model.
+    """Every parameter of the model, LoRA adapters included: the one count the planners use (`zinfjax plan`,
+    ``zinfjax plan --machine``) and the benchmarks report. A test holds it to ``jax.eval_shape`` of the models.
 
     Example:
         >>> parameter_count(ModelConfig.named("gpt2-small"))
         124439808
     """
-    return m.n_layers * block_parameters(m) + outer_parameters(m)
+    return m.n_layers * (block_parameters(m) + adapter_parameters(m)) + outer_parameters(m)
 
 
 def optimizer_slots(name: str) -> tuple[int, bool]:
@@ -76,6 +91,8 @@ def optimizer_slots(name: str) -> tuple[int, bool]:
 def state_bytes(m: ModelConfig, precision: str, optimizer_name: str = "adamw") -> dict[str, int]:
     """Bytes of the model states: parameters and gradients in the compute dtype, the fp32 master (mixed
     precision only) and the optimizer state in fp32. The ZeRO papers' 16 bytes a parameter in fp16 + Adam.
+    Not `zinfjax.planning.zero_memory.state_bytes`, a device's share of a traced tree under the engine's
+    sharding rules, which counts gradients in fp32 as the engine's gradient tier holds them.
 
     Example:
         >>> s = state_bytes(ModelConfig.named("gpt2-small"), "fp16")
@@ -116,13 +133,6 @@ def paper_working_memory(m: ModelConfig, precision: str) -> int:
     return 2 * ITEMSIZE[precision] * rows * cols
 
 
-def tile_counts(m: ModelConfig) -> list[int]:
-    """The tile counts a model can take: every common divisor of ``d_ff`` (the MLP splits along it) and
-    ``n_heads`` (attention splits into groups of heads), smallest first."""
-    g = math.gcd(m.d_ff, m.n_heads)
-    return [t for t in range(1, g + 1) if g % t == 0]
-
-
 @dataclass(frozen=True)
 class Unit:
     """One unit the engine streams: its parameters, and the activations (values) its compute holds."""
@@ -141,9 +151,10 @@ def units(m: ModelConfig, tiles: int, samples: int, seq_len: int) -> list[Unit]:
 
     A block's MLP splits along d_ff into ``tiles`` tiles (W_in[:, d_ff/T], its bias, W_out[d_ff/T, :];
     Llama: gate, up and down), attention into ``tiles`` groups of n_heads/T heads (q, k, v and the rows of
-    attn_out of those heads, with their biases; under GQA each group takes ceil(kv_heads/T) key-value
-    heads, so groups share a key-value head when T > kv_heads). What stays whole: the block's norms and
-    output biases, a vocabulary chunk (``ModelConfig.chunks``), the position table (GPT-2, BERT).
+    attn_out of those heads, with their biases; under GQA each group takes kv_heads/T key-value heads:
+    ``tiles`` is one of `zinfjax.models.configs.tile_counts`, so it divides kv_heads). What stays whole:
+    the block's norms and output biases, a vocabulary chunk (``ModelConfig.chunks``), the position table
+    (GPT-2, BERT).
 
     Activations, per token of the device's micro-batch (``rows = samples x seq_len``): a unit's input and
     output (d_model each) and the widths it makes; attention adds its probabilities, samples x heads x

@@ -14,6 +14,7 @@ from zinfjax._util.choices import COMPUTE_DTYPES
 from zinfjax.config import Config
 from zinfjax.engine.budget import MARGIN_FRACTION, MARGIN_MIN, default_limit
 from zinfjax.engine.stores import KIND_KEY
+from zinfjax.planning.scale import parameter_count
 from zinfjax.runtime import rss
 
 KIND_TIER = KIND_KEY  # which tier key holds each kind of store
@@ -56,14 +57,6 @@ def device_bytes(like) -> int:
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
         total += math.prod(shape) * np.dtype(x.dtype).itemsize
     return total
-
-
-def parameter_count(model_config) -> int:
-    from zinfjax import models
-    from zinfjax.models.stacked import lm_init
-
-    abstract = jax.eval_shape(lm_init(models.build(model_config)), jax.random.key(0))
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
 
 
 def transient_bytes(config: Config, m) -> int:

@@ -44,7 +44,8 @@ from zinfjax.program.slicing import (
     combine,
     cond_operands,
 )
-from zinfjax.program.split import Program, path_str, plain_keys
+from zinfjax.program.split import Program, plain_keys
+from zinfjax.sharding import path_str
 
 NO_CALLS = lambda jaxpr: False  # noqa: E731 - inline every call: the update is never differentiated
 

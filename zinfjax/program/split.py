@@ -51,6 +51,7 @@ from zinfjax.program.ir import (  # noqa: F401 - the program's parts, where they
     unslice,
 )
 from zinfjax.program.nested import nest
+from zinfjax.sharding import path_str
 
 
 def split(loss_fn, params_like, batch_like, with_rng: bool = False, nest_tiles: bool = True) -> Program:
@@ -128,16 +129,6 @@ def _signature(tree) -> tuple:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype))
                           for x in leaves)
-
-
-def path_str(path) -> str:
-    """A key path as ``a/b/c``.
-
-    Example:
-        >>> path_str(jax.tree_util.tree_flatten_with_path({"w": {"k": 0}})[0][0][0])
-        'w/k'
-    """
-    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def _abstract(x):

@@ -3,8 +3,6 @@ trainer that starts it from a fresh initialisation or the newest checkpoint."""
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -18,7 +16,7 @@ from zinfjax.data import Batches
 from zinfjax.engine import Engine, Source, update_plan
 from zinfjax.engine.budget import MemoryBudgetError
 from zinfjax.engine.engine import prepare, streamed_program
-from zinfjax.models.configs import ModelConfig
+from zinfjax.models.configs import ModelConfig, tile_counts
 from zinfjax.models.stacked import lm_init, lm_loss, takes_rng
 from zinfjax.program import InitSource, program_for
 from zinfjax.trainers.optimizers import make_optimizer
@@ -36,20 +34,6 @@ def lm_program(model, config: Config, tx, mesh=None):
 
     program = make(True) if mesh is None else streamed_program(make, tx, config, mesh, model.partition_rules)
     return program, update_plan(tx, program)
-
-
-def tile_counts(model_config: ModelConfig) -> list[int]:
-    """The tile counts a reference model can run with, fewest first: the common divisors of its hidden units
-    and heads (1 alone for BERT, whose blocks are not tiled).
-
-    Example:
-        >>> tile_counts(ModelConfig.named("gpt2-tiny"))
-        [1, 2, 4, 8]
-    """
-    if model_config.arch == "bert":
-        return [1]
-    common = math.gcd(model_config.d_ff, model_config.n_heads, model_config.kv_heads)
-    return [t for t in range(1, common + 1) if common % t == 0]
 
 
 def choose_tiles(model_config: ModelConfig, config: Config, mesh, tx=None) -> ModelConfig:

@@ -15,14 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zinfjax.models.layered import stacked_blocks
 from zinfjax.program.optimizer import owner_of
-from zinfjax.program.split import path_str
-from zinfjax.sharding import ShardingRules, shard_shape
-
-
-def stacked_blocks(path: str) -> bool:
-    """The reference models' layout: leaves under ``blocks/`` are stacked on a layer axis."""
-    return path.startswith("blocks/")
+from zinfjax.sharding import ShardingRules, path_str, shard_shape
 
 
 def _cast(tree, dtype):
@@ -46,7 +41,8 @@ def state_bytes(abstract, tx: optax.GradientTransformation, rules: ShardingRules
     """Bytes one device holds of each kind of model state: params, grads, opt (and master under mixed precision).
 
     Leaves whose path ``stacked`` accepts are sharded per layer; gradients are counted in float32,
-    as the engine's gradient tier holds them.
+    as the engine's gradient tier holds them. Not `zinfjax.planning.scale.state_bytes`, the whole model's
+    bytes from its `ModelConfig` alone, which counts gradients in the compute dtype as the ZeRO papers do.
 
     Example:
         >>> state_bytes(abstract, optax.adamw(1e-3), ShardingRules(stage=2, data=8))["grads"]
