@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -5,6 +6,7 @@ import pytest
 from zinfjax import Config, ConfigError
 from zinfjax.config import parse_mesh
 from zinfjax.errors import UserError
+from zinfjax.sections import SECTIONS, EngineSettings, Memory, Numerics, Tiering
 
 
 def test_defaults_are_valid_and_keys_are_the_public_contract():
@@ -13,6 +15,30 @@ def test_defaults_are_valid_and_keys_are_the_public_contract():
                 "host_buffer_bytes", "precision", "grad_clip", "grad_accum", "mesh", "model", "steps",
                 "batch_size", "seq_len", "lr", "seed", "log"):
         assert key in c.to_dict()
+
+
+def test_every_key_is_in_one_section_under_its_name_type_and_default():
+    keys = {f.name: f for f in dataclasses.fields(Config)}
+    placed = [f.name for section in SECTIONS for f in dataclasses.fields(section)]
+    assert sorted(placed) == sorted(keys), "each Config key belongs to exactly one section of zinfjax.sections"
+    for section in SECTIONS:
+        for f in dataclasses.fields(section):
+            assert (f.type, f.default) == (keys[f.name].type, keys[f.name].default), f"{section.__name__}.{f.name}"
+
+
+def test_sections_are_the_configs_keys_as_given_and_leave_it_flat(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"memory_limit: 2GiB\noptimizer: host:3,nvme\nnvme_path: {tmp_path}\nprecision: bf16\n")
+    c = Config.load(str(path), ["seed=7", "update_on=host"])
+    assert c.section(Memory) == Memory(memory_limit=2 << 30)
+    assert c.section(Tiering) == Tiering(optimizer="host:3,nvme", nvme_path=str(tmp_path), update_on="host")
+    assert c.engine_settings() == EngineSettings(c.section(Tiering), c.section(Memory), Numerics("bf16"), seed=7)
+    assert c.section(Tiering).uses_nvme and c.uses_nvme and not Config().section(Tiering).uses_nvme
+    merged = {k: v for section in SECTIONS for k, v in c.section(section).to_dict().items()}
+    assert merged == c.to_dict() and Config.from_dict(merged) == c  # the flat keys, unchanged
+    assert c.engine_settings().to_dict() == {k: c.to_dict()[k] for k in c.engine_settings().to_dict()}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.section(Memory).prefetch_depth = 2
 
 
 def test_yaml_file_and_overrides(tmp_path):

@@ -18,7 +18,8 @@ MODULES = ["zinfjax._util.byte_sizes", "zinfjax._util.choices", "zinfjax._util.m
            "zinfjax.planning.machine_plan", "zinfjax.models.products", "tests.support.tolerances",
            "zinfjax.models.tiled", "zinfjax.models.tiled_nnx", "zinfjax.models.tiling", "zinfjax.planning.cost",
            "zinfjax.planning.calibrate", "zinfjax.planning.probes", "zinfjax.engine.engine_plan",
-           "zinfjax.store.recycle", "zinfjax.store.chunkfile", "tests.support.xla_flags", "zinfjax.benchmarks.children"]
+           "zinfjax.store.recycle", "zinfjax.store.chunkfile", "tests.support.xla_flags", "zinfjax.benchmarks.children",
+           "zinfjax.sections"]
 
 
 @pytest.mark.parametrize("name", MODULES)

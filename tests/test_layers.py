@@ -2,6 +2,7 @@
 
 import ast
 import pathlib
+import re
 import tomllib
 
 import grimp
@@ -142,3 +143,80 @@ def test_the_jaxpr_check_finds_each_way_in():
                  "f(closed.jaxpr)", "for e in stage.eqns: pass", "v = body.outvars[0]"):
         assert _jaxpr_uses(leak), leak
     assert _jaxpr_uses("import jax\nimport jax.numpy as jnp\nx = stage.params[0]\ny = jax.typeof(x)") == []
+
+
+# The engine, the store and the program take the sections of a run's config they read (`zinfjax.sections`), never the
+# `Config` itself (docs/design.md, "Settings"): no import of it, no annotation naming it, and no parameter named
+# ``config``, which an untyped function would take it by where import-linter cannot see it.
+LOW_LAYERS = ("engine", "store", "program")
+
+
+def _names_config(annotation) -> bool:
+    """Whether an annotation names ``Config``: as a name, an attribute (``zinfjax.Config``) or in a string."""
+    for node in ast.walk(annotation):
+        if "Config" in (getattr(node, "id", None), getattr(node, "attr", None)):
+            return True
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.search(r"\bConfig\b", node.value):
+            return True
+    return False
+
+
+def _is_config_module(name: str, level: int = 0) -> bool:
+    return name == "zinfjax.config" or name.startswith("zinfjax.config.") or (level > 0 and name == "config")
+
+
+def _config_imports(node) -> list[str]:
+    """What an import statement takes of the run config: ``zinfjax.config`` (absolute or relative), or ``Config``."""
+    if isinstance(node, ast.Import):
+        return [f"import {a.name}" for a in node.names if _is_config_module(a.name)]
+    module = node.module or ""
+    found = [f"from {'.' * node.level}{module} import ..."] if _is_config_module(module, node.level) else []
+    return found + [f"imports {a.name}" for a in node.names
+                    if a.name == "Config" or (module == "zinfjax" and a.name == "config")]
+
+
+def _config_parameters(node) -> list[str]:
+    """The parameters of a function that take the run config: annotated with it, or named ``config``; its return."""
+    args = node.args
+    found = []
+    for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+        if arg is not None and arg.annotation is not None and _names_config(arg.annotation):
+            found.append(f"parameter {arg.arg} annotated with Config")
+        elif arg is not None and arg.arg in ("config", "cfg"):
+            found.append(f"parameter {arg.arg}")
+    if getattr(node, "returns", None) is not None and _names_config(node.returns):
+        found.append("returns a Config")
+    return found
+
+
+def _config_uses(text: str) -> list[str]:
+    """Where ``text`` (a module's source) imports the run config, annotates with it, or takes a ``config``."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found += [f"{node.lineno}: {what}" for what in _config_imports(node)]
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            found += [f"{node.lineno}: {what}" for what in _config_parameters(node)]
+        elif isinstance(node, ast.AnnAssign) and _names_config(node.annotation):
+            found.append(f"{node.lineno}: annotated with Config")
+    return sorted(found, key=lambda where: int(where.split(":")[0]))
+
+
+def test_the_engine_store_and_program_take_sections_not_the_config():
+    found = [f"{path.relative_to(ROOT)}:{where}" for layer in LOW_LAYERS
+             for path in sorted((ROOT / "zinfjax" / layer).rglob("*.py")) for where in _config_uses(path.read_text())]
+    assert found == [], "take the config's sections (zinfjax.sections) or plain values, not the Config:\n" + \
+                        "\n".join(found)
+
+
+def test_the_config_check_finds_each_way_in():
+    for leak in ("from zinfjax.config import Config", "import zinfjax.config", "import zinfjax.config as zc",
+                 "from zinfjax import Config", "from zinfjax import config", "from ..config import Config",
+                 "def f(c: Config): pass", "def f(c: 'Config | None' = None): pass",
+                 "def f(*, c: zinfjax.Config): pass",
+                 "def f(config, n): pass", "def f(self, cfg): pass", "lambda config: config.lr",
+                 "def f() -> Config: pass", "class P:\n    config: Config", "class P:\n    settings: 'list[Config]'"):
+        assert _config_uses(leak), leak
+    assert _config_uses("from zinfjax.sections import Memory, Tiering\n"
+                        "def f(memory: Memory, model_config: ModelConfig, tiering: 'Tiering | None'): pass\n"
+                        "config = pad.params['padding_config']\nx = jax.config.jax_enable_x64") == []

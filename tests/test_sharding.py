@@ -14,6 +14,7 @@ from zinfjax import models
 from zinfjax.engine import compiled
 from zinfjax.engine.stores import plan_stores
 from zinfjax.errors import ConfigError
+from zinfjax.sections import Tiering
 from zinfjax.sharding import ShardingRules, make_mesh, shard_shape
 from zinfjax.trainers.optimizers import make_optimizer
 from zinfjax.trainers.streaming import lm_program
@@ -72,7 +73,7 @@ def test_the_layer_axis_is_never_sharded():
     mesh = make_mesh({"data": 4, "model": 2})
     rules = ShardingRules.for_mesh(mesh, 3, models.gpt.PARTITION_RULES, threshold=0)
     program, placement, _, plan = _layout("gpt2-tiny", rules, mesh)
-    specs = plan_stores(config(), program, plan, placement, jnp.bfloat16, set(program.groups))
+    specs = plan_stores(config().section(Tiering), program, plan, placement, jnp.bfloat16, set(program.groups))
     assert {s.kind for s in specs} == {"params", "master", "grads", "opt"}
     for spec in specs:
         for x in jax.tree.leaves(spec.like):

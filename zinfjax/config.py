@@ -1,6 +1,8 @@
 """`Config`: one frozen dataclass for a run, loaded from JSON/YAML, ``--set`` overrides or a DeepSpeed config.
 
-The key names are a public contract; see docs/config.md.
+The key names are a public contract; see docs/config.md. The config is the user's record of the run, flat and
+kept as given; the layers below it take its keys by concern as frozen sections (`zinfjax.sections`:
+`Config.section`, `Config.engine_settings`), never the config itself.
 
 Example:
     >>> cfg = Config.load("run.yaml", ["stage=3", "params=nvme", "nvme_path=/mnt/nvme/run1"])
@@ -15,15 +17,16 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from zinfjax._util.byte_sizes import parse_bytes
 from zinfjax._util.choices import PRECISIONS, TIER_KEYS, TIERS
 from zinfjax._util.mapping_files import DuplicateKeyError, UniqueKeyLoader, parse_problem, read_mapping
-from zinfjax._util.tier_split import SplitError, TierSplit, tiers_in
+from zinfjax._util.tier_split import SplitError, TierSplit
 from zinfjax.errors import ConfigError, printable
+from zinfjax.sections import EngineSettings, Memory, Numerics, Section, Tiering
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "lion", "adagrad", "rmsprop", "lamb", "adafactor")
 DECAYS = ("constant", "linear", "cosine")
@@ -32,11 +35,12 @@ TIER_MODES = ("default", "manual", "auto")
 UPDATE_ON = ("auto", "device", "host")
 RECOMPUTE = ("auto", "always", "never")
 STREAM_TILES = ("auto", "always")
+S = TypeVar("S", bound=Section)
 
 
 @dataclass(frozen=True)
 class Config:
-    """Everything a zinfjax run is built from.
+    """Everything a zinfjax run is built from, as the user gave it; its keys by concern are `zinfjax.sections`.
 
     Example:
         >>> Config(stage=3, params="nvme", optimizer="nvme", nvme_path="/mnt/nvme/run1")
@@ -159,6 +163,21 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    # ---- sections ------------------------------------------------------------------------------
+
+    def section(self, kind: type[S]) -> S:
+        """This config's keys of one concern, as the frozen section ``kind`` (`zinfjax.sections.SECTIONS`).
+
+        Example:
+            >>> Config(memory_limit="2GiB").section(Memory).memory_limit
+            2147483648
+        """
+        return kind(**{f.name: getattr(self, f.name) for f in fields(kind)})
+
+    def engine_settings(self) -> EngineSettings:
+        """The sections an engine is built from (`zinfjax.engine.Engine`), and the seed of its steps' keys."""
+        return EngineSettings(self.section(Tiering), self.section(Memory), self.section(Numerics), self.seed)
+
     # ---- derived -------------------------------------------------------------------------------
 
     def with_batch_for(self, data: int) -> Config:
@@ -188,7 +207,7 @@ class Config:
 
     @property
     def uses_nvme(self) -> bool:
-        return self.kv_cache == "nvme" or any("nvme" in tiers_in(getattr(self, k)) for k in TIER_KEYS)
+        return self.section(Tiering).uses_nvme
 
     @property
     def may_use_nvme(self) -> bool:

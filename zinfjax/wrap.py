@@ -54,7 +54,8 @@ class WrappedState:
 
     Attributes:
         step: optimizer steps taken.
-        config: the `Config`.
+        config: the `Config`, as given (the engine keeps what it derives: ``engine.budget``, ``engine.update_on``);
+            a `CheckpointManager` without a config of its own records it.
     """
 
     def __init__(self, build, config: Config, step: int = 0, on_sync=None, engine: Engine | None = None):
@@ -198,10 +199,11 @@ def _builder(loss_fn, params, tx, config: Config, mesh, partition_rules, source_
 
     def build(batch) -> Engine:
         micro = _micro_like(batch, config.grad_accum)
-        program = streamed_program(lambda nest: program_for(loss_fn, params_like, micro, with_rng, nest), tx, config,
-                                   mesh, tuple(partition_rules))
+        settings = config.engine_settings()
+        program = streamed_program(lambda nest: program_for(loss_fn, params_like, micro, with_rng, nest), tx,
+                                   settings, mesh, tuple(partition_rules))
         plan = update_plan(tx, program)
-        return Engine(program, source_for(program, plan), tx, config, mesh, tp_rules=tuple(partition_rules))
+        return Engine(program, source_for(program, plan), tx, settings, mesh, tp_rules=tuple(partition_rules))
 
     return build
 

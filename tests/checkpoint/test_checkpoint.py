@@ -17,14 +17,17 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
+from flax.training import train_state
 
 from tests.support.engine_helpers import _tx, batches, config, exact_run, initial_params, make_engine
 from tests.support.mounts import tmpfs
 from tests.support.tolerances import assert_loss_no_farther
 from tests.support.xla_flags import child_env
+from zinfjax import Config, models, wrap
 from zinfjax._util.byte_sizes import format_bytes
 from zinfjax.checkpoint import (
     CheckpointCorruptError,
@@ -37,6 +40,7 @@ from zinfjax.checkpoint import (
     complete_steps,
     expected_leaves,
     inspect,
+    read_meta,
 )
 from zinfjax.checkpoint.snapshot import leaf_name
 from zinfjax.sharding import path_str
@@ -206,6 +210,45 @@ def test_info_and_bf16_export(tmp_path):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(exported), strict=True):
         assert b.dtype == jnp.bfloat16
         np.testing.assert_array_equal(a.astype(jnp.bfloat16), b)
+
+
+def as_saved(c: Config) -> dict:
+    """``c`` as a checkpoint's zinfjax.json holds it."""
+    return json.loads(json.dumps(c.to_dict()))
+
+
+def test_a_wrapped_states_checkpoint_records_its_config_as_given(tmp_path):
+    """The engine's budget settles its read-ahead and buffers, and ``update_on=auto`` its place, for the engine alone:
+    a manager given no config records the wrapped state's, as the user gave it."""
+    c = config(mesh="data:1", params="nvme", optimizer="host", nvme_path=str(tmp_path / "nvme"))
+    model = models.build(c.model)
+    state = train_state.TrainState.create(apply_fn=model.apply, params=initial_params(c), tx=optax.adamw(c.lr))
+    with wrap(state, c) as wrapped:
+        wrapped.train_step(next(batches(c)))
+        with CheckpointManager(str(tmp_path / "ckpt")) as manager:
+            manager.save(wrapped)
+        engine = wrapped.engine
+        assert (engine.budget.prefetch_depth > 0, engine.budget.host_buffer_bytes > 0, engine.update_on) == \
+               (True, True, "device")
+    saved = read_meta(str(tmp_path / "ckpt" / "1"))["config"]
+    assert saved == as_saved(c) and wrapped.config == c
+    assert (saved["prefetch_depth"], saved["host_buffer_bytes"], saved["update_on"]) == (None, None, "auto")
+
+
+def test_a_runs_checkpoints_record_the_config_it_was_given(tmp_path, monkeypatch):
+    """``zinfjax train`` with ``tiers=auto`` runs the placement its plan chose (its log records it), and resumed with
+    ``resume=true`` runs from step 1; its checkpoints record the config as given: tiers=auto, resume=true."""
+    from zinfjax.training.loop import run
+
+    monkeypatch.setenv("ZINFJAX_PLAN_PROBE", "0")
+    first = Config(batch_size=2, seq_len=16, mesh="data:1", steps=1, tiers="auto", save_dir=str(tmp_path / "ckpt"))
+    log = run(first, progress=False)
+    assert log["config"]["tiers"] == "manual"  # the run's own: the plan's placement
+    assert read_meta(str(tmp_path / "ckpt" / "1"))["config"] == as_saved(first)
+    resumed = first.replace(steps=2, resume=True)
+    log = run(resumed, progress=False)
+    assert log["config"]["resume"] == 1 and log["resumed_from"]["step"] == 1
+    assert read_meta(str(tmp_path / "ckpt" / "2"))["config"] == as_saved(resumed)
 
 
 def test_writer_builds_a_checkpoint_leaf_by_leaf(tmp_path):

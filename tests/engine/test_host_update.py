@@ -27,6 +27,7 @@ from tests.support.tolerances import assert_run_no_farther
 from zinfjax import Config
 from zinfjax.engine.engine_plan import update_location
 from zinfjax.errors import ConfigError
+from zinfjax.sections import Tiering
 from zinfjax.sharding import make_mesh
 from zinfjax.store.layout import host_tier_kind, pick_host_kind
 from zinfjax.training.loop import run
@@ -154,8 +155,9 @@ def test_the_log_records_where_the_update_ran_and_the_host_memory_kind(tmp_path)
 
 def test_auto_updates_on_the_device_on_the_cpu_backend_and_host_is_refused_without_host_state():
     platform = make_mesh({"data": 1}).devices.flat[0].platform
-    assert update_location(Config(optimizer="host"), platform) == "device"
-    assert update_location(Config(optimizer="nvme", nvme_path="/x", update_on="host"), platform) == "host"
+    assert update_location(Config(optimizer="host").section(Tiering), platform) == "device"
+    host = Config(optimizer="nvme", nvme_path="/x", update_on="host").section(Tiering)
+    assert update_location(host, platform) == "host"
     with pytest.raises(ConfigError, match="update_on=host .* needs optimizer=host or nvme"):
         Config(update_on="host")
     with pytest.raises(ConfigError, match="update_on='gpu' is not allowed; use auto, device, host"):

@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 
 from tests.support.engine_helpers import config, make_engine
-from zinfjax import Config
 from zinfjax.benchmarks.children import one_device_env
 from zinfjax.engine.budget import (
     HEAP_RESIDENT_FRACTION,
@@ -37,6 +36,7 @@ from zinfjax.engine.budget import (
 )
 from zinfjax.models import ModelConfig
 from zinfjax.runtime import allocator, rss
+from zinfjax.sections import Memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WIDE = dict(d_model=384, max_seq_len=64, n_heads=6, d_ff=1536)
@@ -105,10 +105,10 @@ def test_the_heap_is_kept_lean_only_when_memory_is_capped():
         return Budget(1 << 30, source, 0, 2, 1 << 26, 1 << 26)
 
     available, cgroup = plan("available memory less a 1.8 GiB margin"), plan("the memory cgroup's limit less a margin")
-    assert not memory_capped(Config(), available)
-    assert memory_capped(Config(), cgroup)
-    assert memory_capped(Config(host_buffer_bytes=64 << 20), available)
-    assert memory_capped(Config(memory_limit=2 << 30), available)
+    assert not memory_capped(Memory(), available)
+    assert memory_capped(Memory(), cgroup)
+    assert memory_capped(Memory(host_buffer_bytes=64 << 20), available)
+    assert memory_capped(Memory(memory_limit=2 << 30), available)
 
 
 
@@ -141,7 +141,7 @@ def test_a_roomy_budget_gives_the_heap_its_room_before_read_ahead_depth_3():
     depth2 = least + 2 * write + LIVE_PER_DEPTH * read  # the least roomy budget: read-ahead depth 2
 
     def budget(extra: int, **keys):
-        return make_budget(Config(memory_limit=depth2 + extra, **keys), read, write, baseline=base)
+        return make_budget(Memory(memory_limit=depth2 + extra, **keys), read, write, baseline=base)
 
     assert (budget(-mib).lean, budget(-mib).keeps_heap) == (True, False)
     tight = budget(heap_room(read) - mib)  # room for depth 3 (2x the reads), not for the heap
@@ -153,9 +153,9 @@ def test_a_roomy_budget_gives_the_heap_its_room_before_read_ahead_depth_3():
     assert not budget(heap_room(read), prefetch_depth=3).keeps_heap  # the depth asked for takes the room
     # State held whole in memory leaves holes among its buffers: the room grows with it.
     resident = 4 << 30
-    held = make_budget(Config(memory_limit=depth2 + resident + heap_room(read)), read, write, resident, base)
+    held = make_budget(Memory(memory_limit=depth2 + resident + heap_room(read)), read, write, resident, base)
     assert not held.keeps_heap and heap_room(read, resident) - heap_room(read) == int(HEAP_RESIDENT_FRACTION * resident)
-    assert make_budget(Config(memory_limit=depth2 + resident + heap_room(read, resident)), read, write, resident,
+    assert make_budget(Memory(memory_limit=depth2 + resident + heap_room(read, resident)), read, write, resident,
                        base).keeps_heap
 
 

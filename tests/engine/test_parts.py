@@ -13,13 +13,13 @@ import numpy as np
 import optax
 import pytest
 
-from tests.support.engine_helpers import config, engine_run, exact_run, make_engine, reference_run
+from tests.support.engine_helpers import config, engine_run, engine_specs, exact_run, make_engine, reference_run
 from tests.support.tolerances import assert_no_farther, assert_run_no_farther, loss_distance
 from zinfjax import Config, models
 from zinfjax._util.deepspeed_config import from_deepspeed
 from zinfjax.engine.budget import minimum_bytes
 from zinfjax.engine.parts import update_parts
-from zinfjax.engine.stores import budget_needs, leaf_slice_bytes, store_specs
+from zinfjax.engine.stores import budget_needs, leaf_slice_bytes
 from zinfjax.errors import ConfigError
 from zinfjax.models import ModelConfig
 from zinfjax.runtime import rss
@@ -85,7 +85,7 @@ def _cut(c, tx=None):
     """What the engine of ``c`` would work with: its specs, program and plan, and the parts of its layers."""
     engine = make_engine(c, tx=tx)
     try:
-        specs, _ = store_specs(c, engine.program, engine.update_plan, engine.placement, engine.compute_dtype)
+        specs, _ = engine_specs(engine)
         return specs, engine.program, engine.update_plan, update_parts(engine.program, engine.update_plan, specs, False,
                                                                 c.sub_group_size)
     finally:
@@ -139,7 +139,7 @@ def _wide(tmp_path, **kw):
 
 def test_layers_are_cut_only_when_the_budget_needs_it(tmp_path):
     engine = _wide(tmp_path / "roomy", memory_limit=rss.current_bytes() + (4 << 30))
-    specs, acts = store_specs(engine.config, engine.program, engine.update_plan, engine.placement, engine.compute_dtype)
+    specs, acts = engine_specs(engine)
     assert engine.parts == {} and not engine.budget.lean  # room to spare: one update per layer, fewer operations
     engine.close()
     read, write, _ = budget_needs(specs, list(acts.values()), "cpu")

@@ -14,6 +14,7 @@ from tests.support.engine_helpers import (
     batches,
     config,
     engine_run,
+    engine_specs,
     exact_run,
     make_engine,
     reference_run,
@@ -22,7 +23,7 @@ from tests.support.float64_twin import assert_float64
 from tests.support.tolerances import assert_no_farther, assert_run_no_farther, in_float64, loss_distance
 from zinfjax import Config
 from zinfjax.engine.budget import LIVE_PER_DEPTH, MemoryBudgetError, minimum_bytes
-from zinfjax.engine.stores import budget_needs, store_specs
+from zinfjax.engine.stores import budget_needs
 from zinfjax.errors import ConfigError
 from zinfjax.program.residuals import Pullback, apply_saved, save_vjp
 
@@ -120,7 +121,7 @@ LARGE = dict(optimizer="host", batch_size=64, seq_len=128)
 
 def _least(engine) -> tuple[int, int, int]:
     """The minimum budget of ``engine`` without residuals (`minimum_bytes`), and its write and read bytes."""
-    specs, acts = store_specs(engine.config, engine.program, engine.update_plan, engine.placement, engine.compute_dtype)
+    specs, acts = engine_specs(engine)
     read, write, resident = budget_needs(specs, list(acts.values()), "cpu")
     return minimum_bytes(engine.budget.baseline, resident, read, write), write, read
 

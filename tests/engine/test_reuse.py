@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.support.engine_helpers import assert_bitwise, batches, config, engine_run, make_engine
+from tests.support.engine_helpers import assert_bitwise, batches, config, engine_run, engine_specs, make_engine
 from zinfjax import Config
 from zinfjax.engine import BatchError, reuse
 from zinfjax.engine.budget import LIVE_BASE, MemoryBudgetError, minimum_bytes
 from zinfjax.engine.engine_plan import EnginePlan, PlanInputs, plan_reuse
-from zinfjax.engine.stores import StoreSpec, budget_needs, slice_bytes, store_specs
+from zinfjax.engine.stores import StoreSpec, budget_needs, slice_bytes
 from zinfjax.errors import ConfigError
 from zinfjax.program import split
 
@@ -38,7 +38,7 @@ def test_reuse_reads_less_and_is_bitwise_the_run_without(tmp_path):
 
 
 def _specs(engine):
-    specs, _ = store_specs(engine.config, engine.program, engine.update_plan, engine.placement, engine.compute_dtype)
+    specs, _ = engine_specs(engine)
     return specs
 
 
@@ -59,15 +59,14 @@ def test_a_distance_the_budget_cannot_hold_is_refused_in_one_line():
     """The engine's own planning, on the budget it measured at start, with a limit below what keeping needs."""
     engine = make_engine(config(optimizer="host", recompute="always", max_reuse_distance=0))
     try:
-        specs, acts = store_specs(engine.config, engine.program, engine.update_plan, engine.placement,
-                                  engine.compute_dtype)
+        specs, acts = engine_specs(engine)
         needs = budget_needs(specs, list(acts.values()), "cpu")
         least = minimum_bytes(engine.budget.baseline, needs[2], needs[0], needs[1])
         every = sum(c.nbytes for c in reuse.candidates(engine.program, specs))
         memory = EnginePlan(engine.parts, engine.budget, needs, engine.saves_residuals)
 
         def inputs(**changes) -> PlanInputs:
-            return PlanInputs(engine.config.replace(**changes), engine.program, engine.update_plan, specs,
+            return PlanInputs(engine.settings.memory.replace(**changes), engine.program, engine.update_plan, specs,
                               list(acts.values()), "cpu", engine.residual_bytes, engine.spools_gradients,
                               engine.on_host)
 

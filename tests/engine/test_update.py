@@ -134,7 +134,8 @@ def make_engine(plan=None, mixed: bool = False, on_host_: bool = False, spools: 
     stores.flush = lambda: setattr(stores, "flushed", stores.flushed + 1)
     engine = SimpleNamespace(
         program=_program(), update_plan=plan, spools_gradients=spools, on_host=on_host_, host_kind="pinned_host",
-        config=Config(**{"optimizer": opt_tier, "nvme_path": "/nv", **config}), stores=stores,
+        settings=Config(**{"optimizer": opt_tier, "nvme_path": "/nv", **config}).engine_settings(),
+        budget=SimpleNamespace(prefetch_depth=config.get("prefetch_depth", 1)), stores=stores,
         units=Units(plan, mixed), handoff=frozenset(), handed_over=Held(), globals=plan.init_globals(),
         loss_scale=LossScale(config.get("precision") == "fp16"), compute_dtype=jnp.bfloat16 if mixed else jnp.float32)
     writes = []
@@ -386,5 +387,5 @@ def test_the_update_on_the_host_moves_what_is_on_the_device_down_and_the_compute
     master = [jax.device_put(jnp.ones((4, 3)), host)]  # 48 bytes, in host memory already
     grads, state = [jnp.ones((4, 3), jnp.bfloat16)], [jnp.ones((4, 3))]  # 24 and 48 bytes on the device
     assert updates._link_bytes(master, grads, state, sweep=0) == 24 + 48 + 12 * 2  # and 12 bf16 parameters up
-    engine.config = engine.config.replace(params="host")
+    engine.settings = engine.settings.replace(tiering=engine.settings.tiering.replace(params="host"))
     assert updates._link_bytes(master, grads, state, sweep=0) == 24 + 48  # the copy stays in host memory

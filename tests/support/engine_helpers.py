@@ -13,6 +13,7 @@ import optax
 from zinfjax import Config, models
 from zinfjax.data import Batches, load_tokens
 from zinfjax.engine import Engine, TreeSource
+from zinfjax.engine.stores import store_specs
 from zinfjax.models.stacked import lm_init, lm_loss
 from zinfjax.planning.zero_memory import zero_formula
 from zinfjax.sharding import make_mesh, replicated
@@ -88,6 +89,12 @@ def make_engine(c: Config, source=None, tx=None) -> Engine:
         params = initial_params(c)
         source = lambda program, plan: TreeSource(program, plan, params)  # noqa: E731
     return lm_engine(models.build(c.model), c, make_mesh(c.mesh_axes()), source=source, tx=tx or _tx(c))
+
+
+def engine_specs(engine: Engine) -> tuple[list, dict]:
+    """The specs of an engine's stores and its activations' by scan, as it planned them from its settings."""
+    s, e = engine.settings, engine
+    return store_specs(s.tiering, s.numerics, e.program, e.update_plan, e.placement, e.compute_dtype)
 
 
 def engine_run(c: Config, steps: int = STEPS):

@@ -92,7 +92,7 @@ class CheckpointManager:
         barrier(f"zinfjax-ckpt-{step}-begin")
         base = getattr(engine, "base", None)  # a fine-tune's frozen base: named, not saved again
         parts = parts_of(engine, engine.base_leaves if base else frozenset())
-        meta = self._meta(engine, parts, step, data_position)
+        meta = self._meta(engine, self._given(state, engine), parts, step, data_position)
         if base:
             meta["base"] = base
         snapshot = Snapshot(tmp, _staging_dir(engine, step))
@@ -147,7 +147,14 @@ class CheckpointManager:
         error.step, error.reason = step, what
         return error
 
-    def _meta(self, engine, parts: list[Part], step: int, data_position: int | None) -> dict:
+    def _given(self, state, engine) -> dict:
+        """The config the checkpoint records, as the user gave it: the manager's, else the wrapped state's (never what
+        the engine derived from it: its budget and update place are the engine's own); for a bare engine, the
+        settings it was built from (`zinfjax.sections.EngineSettings`), as flat keys."""
+        config = self.config or getattr(state, "config", None)
+        return config.to_dict() if config is not None else engine.settings.to_dict()
+
+    def _meta(self, engine, config: dict, parts: list[Part], step: int, data_position: int | None) -> dict:
         tiers: dict[str, dict] = {}
         for part in parts:
             nbytes = sum(_nbytes(leaf.meta) for leaf in part.leaves)
@@ -155,21 +162,20 @@ class CheckpointManager:
                 entry = tiers.setdefault(tier, {"bytes": 0, "stores": []})
                 entry["bytes"] += int(nbytes * share)
                 entry["stores"].append(f"{part.item}/{part.group}")
-        config = self.config or engine.config
         return {
             "format_version": fmt.FORMAT_VERSION,
             "step": step,
             "data_position": step if data_position is None else int(data_position),
-            "seed": config.seed,
+            "seed": config["seed"],
             "loss_scale": engine.loss_scale.value,
             "loss_scale_good": engine.loss_scale.good,
-            "precision": engine.config.precision,
+            "precision": engine.settings.numerics.precision,
             "num_layers": engine.num_layers,
             "processes": jax.process_count(),
             "devices": jax.device_count(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "run_id": self._run_id(),
-            "config": config.to_dict(),
+            "config": config,
             "model": _model_dict(self.model),
             "tiers": tiers,
             "items": {item: {leaf.name: leaf.meta for p in parts if p.item == item for leaf in p.leaves}
@@ -292,7 +298,7 @@ def _syncfs(path: str) -> None:
 
 def _staging_dir(engine, step: int) -> str | None:
     """Where nvme chunks are linked first when the checkpoint is on another filesystem."""
-    path = engine.config.nvme_path
+    path = engine.settings.tiering.nvme_path
     return os.path.join(os.path.abspath(path), f".checkpoint-{step}") if path else None
 
 

@@ -13,7 +13,7 @@ LoRA adapters) come from ``fallback``, the run's own initialiser.
 
 Example:
     >>> source = CheckpointSource("runs/ckpt", program, plan)
-    >>> engine = Engine(program, source, tx, config, mesh)
+    >>> engine = Engine(program, source, tx, config.engine_settings(), mesh)
     >>> engine.step_count == source.step
     True
 """

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from zinfjax.config import Config
+from zinfjax.engine.budget import Budget
 from zinfjax.engine.loss_scale import LossScale
 from zinfjax.engine.reuse import Held
 from zinfjax.engine.stores import EngineStores, dir_name
@@ -20,13 +20,15 @@ from zinfjax.engine.units import Units
 from zinfjax.program.optimizer import UpdatePlan
 from zinfjax.program.split import Program
 from zinfjax.program.stages import StageFunctions
+from zinfjax.sections import EngineSettings
 
 
 class StepEngine(Protocol):
     """What a step reads of its engine (`zinfjax.engine.Engine`)."""
 
     program: Program
-    config: Config
+    settings: EngineSettings  # the sections the engine was built from, as the user gave them
+    budget: Budget  # the read-ahead and buffers the engine's memory budget settled
     micro: int  # micro-batches a step accumulates (``grad_accum``)
     compute_dtype: Any
     stage_fns: StageFunctions

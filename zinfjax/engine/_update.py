@@ -63,7 +63,7 @@ class Updates:
     def _kind(self, tier_key: str) -> str:
         """The memory kind the update reads state of the tier ``tier_key`` into: host memory for the update on
         the host (unless the state is on the device), else device memory."""
-        on_device = getattr(self.engine.config, tier_key) == "device"  # a split is on host and nvme
+        on_device = getattr(self.engine.settings.tiering, tier_key) == "device"  # a split is on host and nvme
         return self.engine.host_kind if self.engine.on_host and not on_device else "device"
 
     def discard(self, group: str) -> None:
@@ -166,7 +166,7 @@ class Updates:
         (on the last sweep) the new compute copy when the parameters live on the device."""
         down = sum(x.nbytes for x in (*master, *grads, *state) if not on_host(x))
         up = 0
-        if sweep == self.engine.update_plan.sweeps - 1 and self.engine.config.params == "device":
+        if sweep == self.engine.update_plan.sweeps - 1 and self.engine.settings.tiering.params == "device":
             up = sum(x.size for x in master) * jnp.dtype(self.engine.compute_dtype).itemsize
         return down + up
 
@@ -176,7 +176,7 @@ class Updates:
         engine, plan = self.engine, self.engine.update_plan
         if engine.spools_gradients:
             finite = bool(jnp.all(jnp.stack(self._finite))) if self._finite else True
-            if engine.config.precision == "fp16":
+            if engine.settings.numerics.precision == "fp16":
                 engine.loss_scale.after_step(finite)
                 if not finite:
                     return None
@@ -204,7 +204,7 @@ class Updates:
                 reads.append(Read(track("opt", g.name), self._store("opt", g.name), i,
                                   memory_kind=self._kind("optimizer")))
             groups.append(reads)
-        reads = ReadAhead(groups, engine.config.prefetch_depth)
+        reads = ReadAhead(groups, engine.budget.prefetch_depth)
         grad_div = jnp.float32(engine.loss_scale.value)
         for (g, i), trees in zip(units, reads, strict=True):
             paths = [leaf.path for leaf in self.program.leaves_of(g.name)]

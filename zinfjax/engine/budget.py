@@ -27,8 +27,7 @@ A key set explicitly is kept. A budget too small for even one slice in flight is
 anything is written, naming the smallest budget that would work (docs/engine.md, "Memory").
 
 Example:
-    >>> from zinfjax import Config
-    >>> plan = make_budget(Config(memory_limit="2GiB"), read_bytes=90 << 20, write_bytes=85 << 20, baseline=300 << 20)
+    >>> plan = make_budget(Memory(memory_limit=2 << 30), read_bytes=90 << 20, write_bytes=85 << 20, baseline=300 << 20)
     >>> plan.lean, plan.prefetch_depth, plan.host_buffer_bytes >> 20
     (False, 3, 170)
 """
@@ -42,6 +41,7 @@ from zinfjax._util.byte_sizes import format_bytes
 from zinfjax.errors import UserError
 from zinfjax.runtime import rss
 from zinfjax.runtime.allocator import KEEP_FREE
+from zinfjax.sections import Memory
 
 UNLIMITED = 1 << 60
 # What XLA's compiler and a step's temporaries take above the steady state, measured on the CPU
@@ -84,7 +84,8 @@ class MemoryBudgetError(UserError):
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    """What the engine holds under a budget, and where the budget came from."""
+    """What the engine holds under a budget, and where the budget came from: the read-ahead and buffers it derives
+    from the ``memory`` settings (`make_budget`), which keep what the user gave."""
 
     limit: int
     source: str
@@ -142,17 +143,16 @@ def default_limit() -> tuple[int, str]:
     return limit - margin, f"{source} less a {format_bytes(margin)} margin"
 
 
-def memory_capped(config, budget: Budget) -> bool:
+def memory_capped(memory: Memory, budget: Budget) -> bool:
     """Whether the run's memory is capped: ``memory_limit`` or ``host_buffer_bytes`` set, or the budget is a
     memory cgroup's limit. Then the engine trades some step time for a lower peak (module docstring).
 
     Example:
-        >>> from zinfjax import Config
         >>> plan = Budget(1 << 30, "available memory less a 1.8 GiB margin", 0, 2, 1 << 26, 1 << 26)
-        >>> memory_capped(Config(), plan), memory_capped(Config(memory_limit=2 << 30), plan)
+        >>> memory_capped(Memory(), plan), memory_capped(Memory(memory_limit=2 << 30), plan)
         (False, True)
     """
-    explicit = config.memory_limit is not None or config.host_buffer_bytes is not None
+    explicit = memory.memory_limit is not None or memory.host_buffer_bytes is not None
     return explicit or budget.source.startswith("the memory cgroup")
 
 
@@ -172,9 +172,9 @@ def fits_device(nbytes: int, device=None) -> bool:
     return nbytes <= (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // 2
 
 
-def make_budget(config, read_bytes: int, write_bytes: int, resident: int = 0,
+def make_budget(memory: Memory, read_bytes: int, write_bytes: int, resident: int = 0,
                 baseline: int | None = None) -> Budget:
-    """The buffers and read-ahead ``config`` gets, for operations of ``read_bytes`` and slices of ``write_bytes``.
+    """The buffers and read-ahead ``memory`` gets, for operations of ``read_bytes`` and slices of ``write_bytes``.
 
     ``resident`` is the state the process holds whole (stores on the host tier, and on the device
     tier where device memory is host memory).
@@ -183,8 +183,8 @@ def make_budget(config, read_bytes: int, write_bytes: int, resident: int = 0,
         MemoryBudgetError: the budget cannot hold one operation's reads, one slice staged and the
             compiler's reserve; the message names the smallest budget that would.
     """
-    if config.memory_limit:
-        limit, source = int(config.memory_limit), "memory_limit"
+    if memory.memory_limit:
+        limit, source = int(memory.memory_limit), "memory_limit"
     else:
         limit, source = default_limit()
     baseline = rss.current_bytes() if baseline is None else baseline
@@ -202,12 +202,12 @@ def make_budget(config, read_bytes: int, write_bytes: int, resident: int = 0,
     ahead = LIVE_PER_DEPTH * max(read_bytes, 1)
     lean = spare < 2 * write_bytes + ahead
     slices = 1 if lean else 2
-    buffers = config.host_buffer_bytes or max(slices * write_bytes, MIN_BUFFERS)
+    buffers = memory.host_buffer_bytes or max(slices * write_bytes, MIN_BUFFERS)
     in_flight = max(slices * write_bytes, MIN_BUFFERS)
     rest = spare - 2 * write_bytes - ahead  # beyond read-ahead depth 2
     room = heap_room(read_bytes, resident)
     keeps_heap = not lean and rest >= room
-    depth = config.prefetch_depth
+    depth = memory.prefetch_depth
     if depth is None:  # the minimum holds one operation read ahead (LIVE_BASE was measured so)
         rest -= room if keeps_heap else 0
         depth = 1 if lean else int(min(MAX_DEPTH, 2 + rest // ahead))
@@ -241,7 +241,12 @@ def minimum_bytes(baseline: int, resident: int, read_bytes: int, write_bytes: in
     return baseline + resident + COMPILE_RESERVE + LIVE_BASE * read_bytes + 2 * write_bytes
 
 
-def with_defaults(config, prefetch_depth: int = 2, host_buffer_bytes: int = 256 << 20):
-    """``config`` with fixed defaults for the keys a budget would set (inference, which holds no state to plan)."""
-    return config.replace(prefetch_depth=prefetch_depth if config.prefetch_depth is None else config.prefetch_depth,
-                          host_buffer_bytes=config.host_buffer_bytes or host_buffer_bytes)
+def with_defaults(memory: Memory, prefetch_depth: int = 2, host_buffer_bytes: int = 256 << 20) -> Memory:
+    """``memory`` with fixed defaults for the keys a budget would set (inference, which holds no state to plan).
+
+    Example:
+        >>> with_defaults(Memory(prefetch_depth=0)).prefetch_depth, with_defaults(Memory()).host_buffer_bytes >> 20
+        (0, 256)
+    """
+    return memory.replace(prefetch_depth=prefetch_depth if memory.prefetch_depth is None else memory.prefetch_depth,
+                          host_buffer_bytes=memory.host_buffer_bytes or host_buffer_bytes)

@@ -4,7 +4,8 @@ The nvme working state is overwritten in place during a step (zinfjax/engine/sto
 process killed mid-step leaves it neither the old step nor the new one. The engine writes
 ``<nvme_path>/STEP_IN_PROGRESS`` when a step starts and removes it when the step's writes have
 landed; the next engine on that path finds it, reports the step (`Engine.interrupted_step`),
-and rebuilds the working state from its source: a checkpoint, or the initial parameters.
+and rebuilds the working state from its source: a checkpoint, or the initial parameters. Each function
+takes the run's ``nvme_path``, or None for a run with no state on NVMe (no marker).
 
 Example:
     >>> Engine(...).interrupted_step     # None, or the step that was cut short
@@ -19,13 +20,13 @@ import os
 MARKER = "STEP_IN_PROGRESS"
 
 
-def _path(config) -> str | None:
-    return os.path.join(config.nvme_path, MARKER) if config.uses_nvme and config.nvme_path else None
+def _path(nvme_path: str | None) -> str | None:
+    return os.path.join(nvme_path, MARKER) if nvme_path else None
 
 
-def interrupted(config) -> int | None:
-    """The step a previous process left in progress on this nvme_path, if any."""
-    path = _path(config)
+def interrupted(nvme_path: str | None) -> int | None:
+    """The step a previous process left in progress on ``nvme_path`` (None: a run with no state on NVMe), if any."""
+    path = _path(nvme_path)
     if path is None or not os.path.exists(path):
         return None
     try:
@@ -35,15 +36,15 @@ def interrupted(config) -> int | None:
         return -1  # the marker itself was cut short
 
 
-def begin(config, step: int) -> None:
-    path = _path(config)
+def begin(nvme_path: str | None, step: int) -> None:
+    path = _path(nvme_path)
     if path is not None:
         with open(path, "w") as f:
             json.dump({"step": step, "pid": os.getpid()}, f)
 
 
-def end(config) -> None:
-    path = _path(config)
+def end(nvme_path: str | None) -> None:
+    path = _path(nvme_path)
     if path is not None:
         try:
             os.remove(path)

@@ -22,7 +22,6 @@ import optax
 from jax.sharding import Mesh
 
 from zinfjax._util.choices import COMPUTE_DTYPES
-from zinfjax.config import Config
 from zinfjax.engine import crash_marker, reuse
 from zinfjax.engine._step import Step
 from zinfjax.engine._step_io import StepIO
@@ -47,6 +46,7 @@ from zinfjax.errors import UserError
 from zinfjax.program.residuals import residual_bytes
 from zinfjax.program.split import Program, unslice
 from zinfjax.runtime import allocator
+from zinfjax.sections import EngineSettings
 from zinfjax.sharding import PERSISTENCE_THRESHOLD, ShardingRules
 from zinfjax.store.layout import host_tier_kind
 
@@ -56,12 +56,13 @@ class BatchError(UserError):
 
 
 class Prepared(NamedTuple):
-    """What an engine settles before it opens a store: its layout, its stores' specs and its plan (`prepare`)."""
+    """What an engine settles before it opens a store: its layout, its stores' specs and its plan (`prepare`). These
+    are derived from the settings, which keep what the user gave (``update_on=auto`` stays auto there)."""
 
     compute_dtype: object
     rules: ShardingRules
     platform: str  # the compute devices' platform: "cpu", "gpu", "tpu"
-    update_on: str
+    update_on: str  # where the update runs: "device" or "host" (`update_location`)
     host_kind: str
     host_kind_fallback: str | None
     layout: Compiled
@@ -72,28 +73,29 @@ class Prepared(NamedTuple):
     planned: EnginePlan
 
 
-def prepare(program: Program, tx, config: Config, mesh: Mesh, tp_rules: tuple = (),
+def prepare(program: Program, tx, settings: EngineSettings, mesh: Mesh, tp_rules: tuple = (),
             threshold: int = PERSISTENCE_THRESHOLD) -> Prepared:
     """Everything an `Engine` decides before it opens a store: raises where the engine would (a memory budget
     that cannot train the program, a micro-batch that does not split), and opens nothing."""
-    compute_dtype = COMPUTE_DTYPES[config.precision]
-    rules = ShardingRules.for_mesh(mesh, config.stage, tp_rules, threshold)
+    tiering, numerics = settings.tiering, settings.numerics
+    compute_dtype = COMPUTE_DTYPES[numerics.precision]
+    rules = ShardingRules.for_mesh(mesh, tiering.stage, tp_rules, threshold)
     platform = mesh.devices.flat[0].platform
-    update_on = update_location(config, platform)
+    update_on = update_location(tiering, platform)
     on_host = update_on == "host"
     host_kind, fallback = host_tier_kind(mesh.devices.flat[0], on_host)
-    params_kind = host_kind if on_host and config.params != "device" else "device"
-    layout = compiled(program, tx, rules, mesh, compute_dtype, config.grad_accum, on_host, params_kind, host_kind)
+    params_kind = host_kind if on_host and tiering.params != "device" else "device"
+    layout = compiled(program, tx, rules, mesh, compute_dtype, numerics.grad_accum, on_host, params_kind, host_kind)
     _check_micro_batch(program, mesh)
-    spools = spools_gradients(config, layout.plan)
-    specs, acts = store_specs(config, program, layout.plan, layout.placement, compute_dtype)
+    spools = spools_gradients(numerics, layout.plan)
+    specs, acts = store_specs(tiering, numerics, program, layout.plan, layout.placement, compute_dtype)
     # What this process's devices hold of one step's saved residuals, at most: the batch's rows split over data.
-    residuals = residual_bytes(program, config.grad_accum) * len(mesh.local_devices) // mesh.shape["data"]
+    residuals = residual_bytes(program, numerics.grad_accum) * len(mesh.local_devices) // mesh.shape["data"]
     try:
-        planned = plan_engine(PlanInputs(config, program, layout.plan, specs, list(acts.values()), platform,
+        planned = plan_engine(PlanInputs(settings.memory, program, layout.plan, specs, list(acts.values()), platform,
                                          residuals, spools, on_host))
     except MemoryBudgetError as e:
-        advice = split_advice(config, specs + list(acts.values()), e.short)
+        advice = split_advice(tiering, specs + list(acts.values()), e.short)
         if not advice:
             raise
         raise MemoryBudgetError.short_by(e.short, f"{e}; {advice}") from None
@@ -101,7 +103,8 @@ def prepare(program: Program, tx, config: Config, mesh: Mesh, tp_rules: tuple = 
                     residuals, planned)
 
 
-def streamed_program(make: Callable[[bool], Program], tx, config: Config, mesh: Mesh, tp_rules: tuple = ()) -> Program:
+def streamed_program(make: Callable[[bool], Program], tx, settings: EngineSettings, mesh: Mesh,
+                     tp_rules: tuple = ()) -> Program:
     """The program an engine streams: ``make(nest_tiles)`` (`zinfjax.program.split.program_for`), its tile scans cut
     again (`zinfjax.program.nested`) only where the layer must be streamed tile by tile.
 
@@ -113,14 +116,14 @@ def streamed_program(make: Callable[[bool], Program], tx, config: Config, mesh: 
 
     Example:
         >>> make = lambda nest: program_for(loss_fn, params_like, batch_like, nest_tiles=nest)
-        >>> program = streamed_program(make, tx, Config(memory_limit="1GiB"), mesh)
+        >>> program = streamed_program(make, tx, EngineSettings(memory=Memory(memory_limit=1 << 30)), mesh)
     """
     nested = make(True)
-    if config.stream_tiles == "always" or all(stage.body is None for stage in nested.scans()):
+    if settings.memory.stream_tiles == "always" or all(stage.body is None for stage in nested.scans()):
         return nested
     whole = make(False)
     try:
-        prepare(whole, tx, config, mesh, tp_rules)
+        prepare(whole, tx, settings, mesh, tp_rules)
     except MemoryBudgetError:
         return nested
     return whole
@@ -136,29 +139,31 @@ def _check_micro_batch(program: Program, mesh: Mesh) -> None:
 
 
 class Engine:
-    """Trains a `Program` with its state on the tiers of ``config``.
+    """Trains a `Program` with its state on the tiers of ``settings`` (`Config.engine_settings`).
 
-    ``source`` gives the initial state unit by unit (`zinfjax.engine.source`). ``config.stage``
-    shards the state over the mesh axis ``data``; a ``model`` axis splits it by ``tp_rules``.
+    ``source`` gives the initial state unit by unit (`zinfjax.engine.source`). ``settings.tiering.stage``
+    shards the state over the mesh axis ``data``; a ``model`` axis splits it by ``tp_rules``. The settings are
+    kept as given; what the engine derives from them is its own (`update_on`, `budget`, the plan's parts).
 
     Example:
-        >>> engine = Engine(program, TreeSource(program, plan, params), optax.adamw(1e-3), config, mesh)
+        >>> engine = Engine(program, TreeSource(program, plan, params), optax.adamw(1e-3), config.engine_settings(),
+        ...                 mesh)
         >>> metrics = engine.train_step(batch)
     """
 
-    def __init__(self, program: Program, source, tx: optax.GradientTransformation, config: Config, mesh: Mesh,
-                 tp_rules: tuple = (), threshold: int = PERSISTENCE_THRESHOLD):
-        self.program, self.config, self.mesh, self.tx = program, config, mesh, tx
-        ready = prepare(program, tx, config, mesh, tp_rules, threshold)
+    def __init__(self, program: Program, source, tx: optax.GradientTransformation, settings: EngineSettings,
+                 mesh: Mesh, tp_rules: tuple = (), threshold: int = PERSISTENCE_THRESHOLD):
+        self.program, self.settings, self.mesh, self.tx = program, settings, mesh, tx
+        ready = prepare(program, tx, settings, mesh, tp_rules, threshold)
         self.compute_dtype, self.rules, self.platform = ready.compute_dtype, ready.rules, ready.platform
         self.update_on, self.on_host = ready.update_on, ready.update_on == "host"
         # The host tier's memory kind, and why it is not pinned_host (recorded in the log): `host_tier_kind`.
         self.host_kind, self.host_kind_fallback = ready.host_kind, ready.host_kind_fallback
         self.placement, self.stage_fns = ready.layout.placement, ready.layout.stage_fns
         self.update_plan, self.units = ready.layout.plan, ready.layout.units
-        self.loss_scale = LossScale(config.precision == "fp16")
+        self.loss_scale = LossScale(settings.numerics.precision == "fp16")
         self.spools_gradients = ready.spools_gradients
-        self.micro = config.grad_accum
+        self.micro = settings.numerics.grad_accum
         # The streamed groups other scans stream too, whose later scans spool a share of the gradient (none for a
         # frozen group: no update takes it).
         self._tied = {g: n for g, n in tied_groups(program).items() if not ready.layout.plan.frozen_group(g)}
@@ -171,7 +176,7 @@ class Engine:
         self.handed_over = reuse.Held()  # the compute copies the last step's updates handed to the next forward
         # While the state is written at the start, no step holds its operations' memory: writes may use it while
         # memory is plentiful. Under a cap, computing the state takes it: the writes keep the step's own bound.
-        self.capped = config.uses_nvme and memory_capped(config, self.budget)
+        self.capped = settings.tiering.uses_nvme and memory_capped(settings.memory, self.budget)
         fill_bound = self.budget.write_bytes_in_flight + (0 if self.capped else LIVE_BASE * planned.needs[0])
         # A capped budget without room for the freed pages the heap keeps (`zinfjax.engine.budget.heap_room`) gives
         # them back at once (docs/design.md, invariant 2); one with room keeps them, as an uncapped run does.
@@ -179,11 +184,11 @@ class Engine:
         if self.strict_heap:
             allocator.tune_allocator(mmap_threshold=NVME_MMAP_THRESHOLD, trim_threshold=allocator.GLIBC_TRIM_THRESHOLD,
                                      late=True)
-        self.config = config = config.replace(prefetch_depth=self.budget.prefetch_depth,
-                                              host_buffer_bytes=self.budget.host_buffer_bytes)
+        # The step-in-progress marker's directory: the run's nvme_path where state is on NVMe (`crash_marker`).
+        self._marker = settings.tiering.nvme_path if settings.tiering.uses_nvme else None
         self.step_count = int(source.step)
         self.tracer = None  # a zinfjax.engine.trace.Tracer while one is attached
-        self._behind = WriteBehind(fill_bound, config.prefetch_depth)  # the computations and writes in flight
+        self._behind = WriteBehind(fill_bound, self.budget.prefetch_depth)  # the computations and writes in flight
         self._telemetry: StepTelemetry | None = None
         self._steps_run = 0
         # A fine-tune's frozen base, read from a checkpoint: its leaves stay there (read in place where its chunks
@@ -191,13 +196,14 @@ class Engine:
         held = source.base_leaves() if hasattr(source, "base_leaves") else frozenset()
         self.base_leaves = frozenset(held & self.update_plan.frozen)
         self.base = source.base if self.base_leaves else None
-        self.in_place = in_place_leaves(config, program, source, self.base_leaves, self.placement, self.compute_dtype)
+        self.in_place = in_place_leaves(settings.tiering.params, program, source, self.base_leaves, self.placement,
+                                        self.compute_dtype)
         alone = written_alone(program, self.update_plan, self.spools_gradients, self.platform)
         # Read arrays used again hold what reads freed until the next read takes them: room a budget that gives
         # its pages back does not have (llama-1b at 4 GiB was killed by its cgroup so).
-        self.stores = build_stores(config, specs, acts, self.parts, self.host_kind, self.in_place, alone,
-                                   reuse_reads=not self.strict_heap)
-        self.interrupted_step = crash_marker.interrupted(config)
+        self.stores = build_stores(settings.tiering, self.budget.host_buffer_bytes, specs, acts, self.parts,
+                                   self.host_kind, self.in_place, alone, reuse_reads=not self.strict_heap)
+        self.interrupted_step = crash_marker.interrupted(self._marker)
         try:
             self._fill(source)
         except BaseException:
@@ -296,7 +302,7 @@ class Engine:
 
     def train_step(self, batch, rng=None) -> dict:
         """One optimizer step on ``batch`` (a pytree of arrays with a leading batch axis); returns its metrics."""
-        crash_marker.begin(self.config, self.step_count + 1)
+        crash_marker.begin(self._marker, self.step_count + 1)
         if self.strict_heap:  # the last step's freed buffers leave the heap before this one's peak
             allocator.trim()
         for store in self.stores.all():  # nor do the last step's read arrays wait through this one's forward
@@ -305,7 +311,7 @@ class Engine:
         try:
             io = StepIO(self._dispatch, self._write, self._tied, telemetry)
             step = Step(self, io, self._micro_batches(batch), self._keys(rng))
-            reads = ReadAhead([op.reads for op in step.ops], self.config.prefetch_depth)
+            reads = ReadAhead([op.reads for op in step.ops], self.budget.prefetch_depth)
             for op, results in zip(step.ops, reads, strict=True):
                 op.run(results)
             telemetry.add_reads(reads)
@@ -320,7 +326,7 @@ class Engine:
             self.handed_over = reuse.Held()  # what a failed step kept may never have landed: the next one reads
             raise
         self.step_count += 0 if skipped else 1
-        crash_marker.end(self.config)
+        crash_marker.end(self._marker)
         self._telemetry = None
         if not self._steps_run:
             self._release_scratch()  # the first step compiled every stage function
@@ -353,7 +359,7 @@ class Engine:
         """One key per micro-batch: the step's key (``fold_in(key(seed), step)``), folded with the micro-batch index."""
         if self.program.rng_var is None:
             return None
-        key = rng if rng is not None else jax.random.fold_in(jax.random.key(self.config.seed), self.step_count + 1)
+        key = rng if rng is not None else jax.random.fold_in(jax.random.key(self.settings.seed), self.step_count + 1)
         if self.micro == 1:
             return key[None]
         return jax.vmap(lambda a: jax.random.fold_in(key, a))(jnp.arange(self.micro))

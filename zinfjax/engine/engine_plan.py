@@ -1,9 +1,10 @@
 """The engine's plan, made before any store opens: memory budget, recomputation, reuse and handoff.
 
-Everything here is decided from what is known before the state is written: the config, the program,
-its update plan, the specs of the stores the engine will open (`store_specs`) and the platform.
-Nothing reads or holds a store. `plan_engine` makes the whole plan (`EnginePlan`); `update_location`
-decides where the optimizer update runs, which the layout's compiled functions depend on.
+Everything here is decided from what is known before the state is written: the settings the user gave
+(`zinfjax.sections`), the program, its update plan, the specs of the stores the engine will open
+(`store_specs`) and the platform. Nothing reads or holds a store. `plan_engine` makes the whole plan
+(`EnginePlan`); `update_location` decides where the optimizer update runs, which the layout's compiled
+functions depend on. What is derived stays in the plan: the settings keep what the user gave.
 """
 
 from __future__ import annotations
@@ -11,16 +12,16 @@ from __future__ import annotations
 import dataclasses
 
 from zinfjax._util.byte_sizes import format_bytes
-from zinfjax.config import Config
 from zinfjax.engine import reuse
 from zinfjax.engine.budget import LIVE_BASE, Budget, MemoryBudgetError, fits_device, make_budget
 from zinfjax.engine.parts import trainable_parts, update_parts
 from zinfjax.engine.stores import StoreSpec, budget_needs, slice_bytes, written_alone
 from zinfjax.program.optimizer import UpdatePlan
 from zinfjax.program.split import Program
+from zinfjax.sections import Memory, Tiering
 
 
-def update_location(config: Config, platform: str) -> str:
+def update_location(tiering: Tiering, platform: str) -> str:
     """Where the optimizer update runs: ``device`` or ``host`` (``update_on``; docs/engine.md).
 
     ``auto`` runs it on the host when the optimizer state is on host or NVMe and the compute devices
@@ -28,19 +29,19 @@ def update_location(config: Config, platform: str) -> str:
     are one memory and one processor, so ``auto`` keeps it on the device, which costs no copies.
 
     Example:
-        >>> update_location(Config(optimizer="nvme", nvme_path="/x", update_on="auto"), "gpu")
+        >>> update_location(Tiering(optimizer="nvme", nvme_path="/x", update_on="auto"), "gpu")
         'host'
     """
-    if config.update_on != "auto":
-        return config.update_on
-    return "host" if platform != "cpu" and config.optimizer != "device" else "device"
+    if tiering.update_on != "auto":
+        return tiering.update_on
+    return "host" if platform != "cpu" and tiering.optimizer != "device" else "device"
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanInputs:
     """What the plan is made from, all known before any store opens."""
 
-    config: Config
+    memory: Memory  # the budget's keys as the user gave them
     program: Program
     update_plan: UpdatePlan
     specs: list[StoreSpec]  # the state's stores (`store_specs`)
@@ -77,19 +78,19 @@ def plan_memory(inputs: PlanInputs) -> EnginePlan:
     operations cost less CPU time. A lean or refused budget takes the parts (`zinfjax.engine.parts`),
     whose largest operation reads less; ``sub_group_size`` cuts them as asked, whatever the budget.
     """
-    config, specs, acts, platform = inputs.config, inputs.specs, inputs.acts, inputs.platform
-    parts = update_parts(inputs.program, inputs.update_plan, specs, inputs.spools_gradients, config.sub_group_size)
+    memory, specs, acts, platform = inputs.memory, inputs.specs, inputs.acts, inputs.platform
+    parts = update_parts(inputs.program, inputs.update_plan, specs, inputs.spools_gradients, memory.sub_group_size)
     alone = written_alone(inputs.program, inputs.update_plan, inputs.spools_gradients, platform)
     whole, kept = None, parts
-    if parts and not config.sub_group_size:
+    if parts and not memory.sub_group_size:
         kept = trainable_parts(inputs.program, inputs.update_plan, inputs.spools_gradients)
         whole = budget_needs(specs, acts, platform, kept, alone)
     needs = budget_needs(specs, acts, platform, parts, alone)
-    plan, saves, chosen = choose_budget(config, platform, inputs.residual_bytes, needs, whole)
+    plan, saves, chosen = choose_budget(memory, platform, inputs.residual_bytes, needs, whole)
     return EnginePlan(kept if chosen is whole else parts, plan, chosen, saves)
 
 
-def choose_budget(config: Config, platform: str, residuals: int, needs: tuple, whole: tuple | None = None,
+def choose_budget(memory: Memory, platform: str, residuals: int, needs: tuple, whole: tuple | None = None,
                   baseline: int | None = None) -> tuple[Budget, bool, tuple]:
     """The budget's plan, whether the residuals are kept, and the needs it was made for (`plan_memory`).
 
@@ -99,44 +100,44 @@ def choose_budget(config: Config, platform: str, residuals: int, needs: tuple, w
     same of a placement before anything is built.
 
     Example:
-        >>> plan, saves, chosen = choose_budget(Config(memory_limit="2GiB"), "cpu", 50 << 20,
+        >>> plan, saves, chosen = choose_budget(Memory(memory_limit=2 << 30), "cpu", 50 << 20,
         ...                                     (90 << 20, 85 << 20, 0), baseline=300 << 20)
         >>> plan.prefetch_depth, saves
         (3, True)
     """
     if whole is not None:
         try:
-            plan, saves = recompute_budget(config, platform, residuals, *whole, baseline=baseline)
+            plan, saves = recompute_budget(memory, platform, residuals, *whole, baseline=baseline)
         except MemoryBudgetError:
             plan = None
         if plan is not None and not plan.lean:  # whole layers; a layer with frozen leaves updates its others alone
             return plan, saves, whole
-    plan, saves = recompute_budget(config, platform, residuals, *needs, baseline=baseline)
+    plan, saves = recompute_budget(memory, platform, residuals, *needs, baseline=baseline)
     return plan, saves, needs
 
 
-def recompute_budget(config: Config, platform: str, residuals: int, read: int, write: int, resident: int,
+def recompute_budget(memory: Memory, platform: str, residuals: int, read: int, write: int, resident: int,
                      baseline: int | None = None) -> tuple[Budget, bool]:
     """The budget's plan, and whether the ``residuals`` are kept (``recompute``; docs/engine.md, "Recomputation").
 
     ``auto`` keeps them when the budget holds them as well and stays roomy: on the CPU backend they
     count against the host budget; on an accelerator they must fit in half its free memory.
     """
-    mode, cpu = config.recompute, platform == "cpu"
+    mode, cpu = memory.recompute, platform == "cpu"
     if mode == "always" or (mode == "auto" and not cpu and not fits_device(residuals)):
-        return make_budget(config, read, write, resident, baseline), False
+        return make_budget(memory, read, write, resident, baseline), False
     if not cpu:
-        return make_budget(config, read, write, resident, baseline), True
+        return make_budget(memory, read, write, resident, baseline), True
     try:
-        plan = make_budget(config, read, write, resident + residuals, baseline)
+        plan = make_budget(memory, read, write, resident + residuals, baseline)
     except MemoryBudgetError as e:
         if mode == "never":
             raise MemoryBudgetError(f"{e}; recompute=never keeps {format_bytes(residuals)} of "
                                     "residuals (recompute=auto or always holds none)") from None
-        return make_budget(config, read, write, resident, baseline), False
+        return make_budget(memory, read, write, resident, baseline), False
     if mode == "never" or not plan.lean:
         return plan, True
-    return make_budget(config, read, write, resident, baseline), False
+    return make_budget(memory, read, write, resident, baseline), False
 
 
 def plan_reuse(inputs: PlanInputs, memory: EnginePlan) -> EnginePlan:
@@ -147,8 +148,8 @@ def plan_reuse(inputs: PlanInputs, memory: EnginePlan) -> EnginePlan:
     what the largest operation holds anyway (`reuse.within`), so the budget is unchanged. Set, it keeps
     those within that distance, as held state; refused in one line if the budget cannot hold them.
     """
-    config, program, specs, base = inputs.config, inputs.program, inputs.specs, memory.budget
-    limit = config.max_reuse_distance
+    program, specs, base = inputs.program, inputs.specs, memory.budget
+    limit = inputs.memory.max_reuse_distance
     found = reuse.candidates(program, specs)
     if limit is None:
         kept = reuse.within(found, reuse.timeline(program, _slice_sizes(specs)), LIVE_BASE,
@@ -161,7 +162,7 @@ def plan_reuse(inputs: PlanInputs, memory: EnginePlan) -> EnginePlan:
     held = resident + (inputs.residual_bytes if memory.saves_residuals else 0)
     nbytes = sum(c.nbytes for c in kept)
     try:
-        plan = make_budget(config, read, write, held + nbytes, baseline=base.baseline)
+        plan = make_budget(inputs.memory, read, write, held + nbytes, baseline=base.baseline)
     except MemoryBudgetError:
         raise MemoryBudgetError(
             f"max_reuse_distance={limit} keeps {len(kept)} layers' parameters ({format_bytes(nbytes)}), more "
@@ -173,7 +174,7 @@ def plan_handoff(inputs: PlanInputs, parts: dict) -> frozenset:
     """The ``(group, unit)`` whose update hands its new compute copy to the next step's forward
     (`reuse.handed_over`), when ``max_reuse_distance`` is unset: those whose forward read costs a transfer,
     updated whole in the backward (not in sweeps, not in ``parts``) on the device."""
-    if inputs.config.max_reuse_distance is not None or inputs.spools_gradients or inputs.on_host:
+    if inputs.memory.max_reuse_distance is not None or inputs.spools_gradients or inputs.on_host:
         return frozenset()
     program, costly = inputs.program, _reads_cost(inputs)
     kept = reuse.handed_over(program, _slice_sizes(inputs.specs), LIVE_BASE,

@@ -9,7 +9,7 @@ at ZeRO stages 0-2. A bf16 run of a fp32 base, or stage 3's device shards, copie
 and the step log says which (``base.in_place_bytes`` and ``base.copied_bytes``).
 
 Example:
-    >>> in_place_leaves(config, program, source, engine.base_leaves, placement, jnp.float32)
+    >>> in_place_leaves("nvme", program, source, engine.base_leaves, placement, jnp.float32)
     {'s:blocks': {'blocks/q/kernel': '/work/runs/llama/0/params/blocks.q.kernel', ...}}
 """
 
@@ -18,9 +18,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def in_place_leaves(config, program, source, base_leaves: frozenset, placement, compute_dtype) -> dict[str, dict]:
-    """``{group: {leaf path: leaf directory}}``: the base leaves the params store reads in place (module docstring)."""
-    if config.params != "nvme" or not base_leaves:
+def in_place_leaves(params_tier: str, program, source, base_leaves: frozenset, placement,
+                    compute_dtype) -> dict[str, dict]:
+    """``{group: {leaf path: leaf directory}}``: the base leaves the params store reads in place (module docstring);
+    none unless ``params_tier`` (the ``params`` key) is ``nvme``."""
+    if params_tier != "nvme" or not base_leaves:
         return {}
     out: dict[str, dict] = {}
     for k in sorted(base_leaves):

@@ -1,4 +1,4 @@
-"""The stores a wrapped state lives in: one per (kind, group), each on the tier the config gives.
+"""The stores a wrapped state lives in: one per (kind, group), each on the tier its tier key gives (`Tiering`).
 
 Kinds: ``params`` (the compute copy), ``master`` (fp32 master weights, under mixed precision),
 ``opt`` (the optimizer state leaves that belong to the group's parameters), ``grads`` (gradients
@@ -7,7 +7,7 @@ spooled for a later sweep, or waiting for a tied parameter's other contributions
 checkpoint). A streamed group's store has one "layer" per slice (a layer, or a row chunk); a whole
 group's has one.
 
-Every leaf carries its kind's sharding at the config's stage (`Placement`), so a tier holds, reads
+Every leaf carries its kind's sharding at the run's ZeRO stage (`Placement`), so a tier holds, reads
 and writes each device's own shard of each slice.
 """
 
@@ -23,11 +23,11 @@ import numpy as np
 from zinfjax._util.byte_sizes import format_bytes
 from zinfjax._util.choices import TIER_KEYS
 from zinfjax._util.tier_split import TierSplit
-from zinfjax.config import Config
 from zinfjax.engine.placement import Placement
 from zinfjax.errors import ConfigError
 from zinfjax.program.optimizer import UpdatePlan
 from zinfjax.program.split import Program
+from zinfjax.sections import Numerics, Tiering
 from zinfjax.store import BufferPool, LayerStore, open_store, staging_bytes
 from zinfjax.store.base import close_all
 from zinfjax.store.disk import check_free_space, prepare_directory
@@ -126,7 +126,7 @@ def stacked(length: int, slice_shape, dtype, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((length, *slice_shape), dtype, sharding=sharding)
 
 
-def plan_stores(config: Config, program, plan, placement, compute_dtype, spooled: set[str],
+def plan_stores(tiering: Tiering, program, plan, placement, compute_dtype, spooled: set[str],
                 masterless: frozenset = frozenset()) -> list[StoreSpec]:
     """Every store as a `StoreSpec`, before anything is opened.
 
@@ -143,19 +143,19 @@ def plan_stores(config: Config, program, plan, placement, compute_dtype, spooled
             return {leaf.path: stacked(g.length, leaf.slice_shape, dtype or leaf.dtype,
                                        placement.stacked(kind, leaf.path, leaf.slice_shape)) for leaf in leaves}
 
-        specs.append(StoreSpec("params", g.name, config.params, tree("params", compute_dtype)))
+        specs.append(StoreSpec("params", g.name, tiering.params, tree("params", compute_dtype)))
         kept = [leaf for leaf in leaves if leaf.index not in masterless]
         if mixed and kept:
-            specs.append(StoreSpec("master", g.name, config.optimizer, tree("master", jnp.float32, kept)))
+            specs.append(StoreSpec("master", g.name, tiering.optimizer, tree("master", jnp.float32, kept)))
         if g.name in spooled:
-            specs.append(StoreSpec("grads", g.name, config.gradients, tree("grads", jnp.float32)))
+            specs.append(StoreSpec("grads", g.name, tiering.gradients, tree("grads", jnp.float32)))
         state = plan.state_of(g.name)
         if state:
             like = {}
             for s in state:
                 shape = state_slice_shape(program, s)
                 like[s.path] = stacked(g.length, shape, s.dtype, placement.stacked("opt", s.path, shape))
-            specs.append(StoreSpec("opt", g.name, config.optimizer, like))
+            specs.append(StoreSpec("opt", g.name, tiering.optimizer, like))
     return specs
 
 
@@ -169,14 +169,14 @@ def state_slice_shape(program, s) -> tuple[int, ...]:
     return leaf.stream.slice_shape(s.shape)
 
 
-def acts_spec(config: Config, scan, placement, grad_accum: int) -> StoreSpec:
+def acts_spec(tiering: Tiering, scan, placement, grad_accum: int) -> StoreSpec:
     """The activation checkpoints of one streamed scan: the carry entering each iteration."""
     like = {}
     for j, carry in enumerate(scan.loop.carry):  # the carry entering an iteration is of the final carry's type
         shape = (grad_accum, *carry.like.shape)
         sharding = placement.rows_sharding((scan.length, *shape), lead=2)
         like[f"carry{j}"] = jax.ShapeDtypeStruct((scan.length, *shape), carry.like.dtype, sharding=sharding)
-    return StoreSpec("acts", f"s:scan{scan.position}", config.activations, like)
+    return StoreSpec("acts", f"s:scan{scan.position}", tiering.activations, like)
 
 
 def slice_bytes(spec: StoreSpec) -> int:
@@ -245,44 +245,45 @@ def written_alone(program: Program, plan: UpdatePlan, spooled: bool, platform: s
 
 
 
-def preflight(config: Config, specs: list[StoreSpec], parts: dict | None = None, in_place: dict | None = None,
-              alone: frozenset = frozenset()) -> None:
-    """Before anything is written: the path is writable, can hold the state (but the leaves read ``in_place``),
-    and one slice fits the buffers."""
+def preflight(nvme_path: str | None, host_buffer_bytes: int, specs: list[StoreSpec], parts: dict | None = None,
+              in_place: dict | None = None, alone: frozenset = frozenset()) -> None:
+    """Before anything is written: ``nvme_path`` is writable, can hold the state (but the leaves read ``in_place``),
+    and one slice fits the ``host_buffer_bytes`` of buffers."""
     if not any("nvme" in s.tiers for s in specs):
         return
     layer = largest_staged(specs, parts or {}, alone)
-    if layer > config.host_buffer_bytes:
+    if layer > host_buffer_bytes:
         raise BufferBudgetError(
-            f"host_buffer_bytes={config.host_buffer_bytes} cannot hold one layer: the largest layer needs "
+            f"host_buffer_bytes={host_buffer_bytes} cannot hold one layer: the largest layer needs "
             f"{layer} bytes; raise host_buffer_bytes to at least {layer}"
         )
-    prepare_directory(config.nvme_path)
+    prepare_directory(nvme_path)
     kept = in_place or {}
     written = [dataclasses.replace(s, like={p: x for p, x in s.like.items()
                                             if not (s.kind == "params" and p in kept.get(s.group, {}))})
                for s in specs if "nvme" in s.tiers]
-    check_free_space(config.nvme_path, sum(s.bytes_on(("nvme",)) for s in written if s.like))
+    check_free_space(nvme_path, sum(s.bytes_on(("nvme",)) for s in written if s.like))
 
 
-def build_stores(config: Config, specs: list[StoreSpec], acts: dict[int, StoreSpec],
+def build_stores(tiering: Tiering, host_buffer_bytes: int, specs: list[StoreSpec], acts: dict[int, StoreSpec],
                  parts: dict | None = None, host_kind: str | None = None,
                  in_place: dict | None = None, alone: frozenset = frozenset(), reuse_reads: bool = True
                  ) -> EngineStores:
-    """Checks the specs against the disk and the buffer budget, then opens every store (empty), the host
+    """Checks the specs against the disk and the buffer budget (``host_buffer_bytes``: the one the engine's budget
+    settled, `zinfjax.engine.budget.Budget`), then opens every store (empty) under ``tiering.nvme_path``, the host
     tier's in its memory kind ``host_kind`` (default: `zinfjax.store.layout.host_tier_kind`), and the params
     leaves ``in_place`` names (``{group: {path: directory}}``, `zinfjax.engine.in_place`) where they are.
     ``reuse_reads``: the nvme tier reads into arrays of earlier reads that nothing holds (`zinfjax.store.recycle`)."""
     in_place = in_place or {}
-    preflight(config, specs + list(acts.values()), parts, in_place, alone)
-    pool = staging_pool(config.host_buffer_bytes)
+    preflight(tiering.nvme_path, host_buffer_bytes, specs + list(acts.values()), parts, in_place, alone)
+    pool = staging_pool(host_buffer_bytes)
     opened: dict[str, dict[str, LayerStore]] = {}
 
     def open_one(spec: StoreSpec) -> LayerStore:
-        options = dict(SCRATCH_NVME, verify=config.verify_chunks, reuse_reads=reuse_reads)  # memory tiers take none
+        options = dict(SCRATCH_NVME, verify=tiering.verify_chunks, reuse_reads=reuse_reads)  # memory tiers take none
         if spec.kind == "params" and spec.group in in_place:
             options["in_place"] = in_place[spec.group]
-        return open_store(spec.tier, spec.like, path=config.nvme_path, name=spec.name, pool=pool,
+        return open_store(spec.tier, spec.like, path=tiering.nvme_path, name=spec.name, pool=pool,
                           host_kind=host_kind, **options)
 
     out = EngineStores(opened, {}, pool)
@@ -297,11 +298,11 @@ def build_stores(config: Config, specs: list[StoreSpec], acts: dict[int, StoreSp
     return out
 
 
-def spools_gradients(config: Config, plan: UpdatePlan) -> bool:
+def spools_gradients(numerics: Numerics, plan: UpdatePlan) -> bool:
     """Whether a step spools every unit's gradient to the gradient tier and updates after the backward pass:
     the optimizer needs more than one sweep (per-tensor norms, a global norm), or fp16 checks every gradient
     for overflow first."""
-    return plan.sweeps > 1 or config.precision == "fp16"
+    return plan.sweeps > 1 or numerics.precision == "fp16"
 
 
 def updated_apart(program: Program, plan: UpdatePlan, group, spooled: bool) -> bool:
@@ -332,13 +333,14 @@ def tied_groups(program: Program) -> dict[str, int]:
     return out
 
 
-def store_specs(config: Config, program: Program, plan: UpdatePlan, placement: Placement, compute_dtype):
+def store_specs(tiering: Tiering, numerics: Numerics, program: Program, plan: UpdatePlan, placement: Placement,
+                compute_dtype):
     """Every store of an engine before it opens them: the state's `StoreSpec` list and the activations' by scan."""
-    spools = spools_gradients(config, plan)
+    spools = spools_gradients(numerics, plan)
     spooled = set(program.groups) if spools else set(tied_groups(program))
-    specs = plan_stores(config, program, plan, placement, compute_dtype, spooled, masterless(program, plan, spools))
-    acts = {s.position: acts_spec(config, s, placement, config.grad_accum) for s in program.scans()}
-    check_splits(config, specs + list(acts.values()))
+    specs = plan_stores(tiering, program, plan, placement, compute_dtype, spooled, masterless(program, plan, spools))
+    acts = {s.position: acts_spec(tiering, s, placement, numerics.grad_accum) for s in program.scans()}
+    check_splits(tiering, specs + list(acts.values()))
     return specs, acts
 
 
@@ -346,27 +348,27 @@ def store_specs(config: Config, program: Program, plan: UpdatePlan, placement: P
 KIND_KEY = {"params": "params", "master": "optimizer", "opt": "optimizer", "grads": "gradients", "acts": "activations"}
 
 
-def check_splits(config: Config, specs: list[StoreSpec]) -> None:
+def check_splits(tiering: Tiering, specs: list[StoreSpec]) -> None:
     """Refuses a split (``host:12,nvme``) that names more layers than the longest store of its part holds."""
     for key in TIER_KEYS:
-        split = TierSplit.parse(getattr(config, key))
+        split = TierSplit.parse(getattr(tiering, key))
         longest = max((s.length for s in specs if KIND_KEY[s.kind] == key), default=0)
         if not split.whole and split.counted > longest:
             raise ConfigError(f"{key}={split} names {split.counted} layers, but the model's {key} stores have at most "
                               f"{longest}; name {longest} or fewer")
 
 
-def split_advice(config: Config, specs: list[StoreSpec], short: int) -> str:
+def split_advice(tiering: Tiering, specs: list[StoreSpec], short: int) -> str:
     """For a budget ``short`` bytes short of a step: how many fewer layers each split part (``host:12,nvme``) must
     hold in host memory for it to fit (with one to spare: the process's own memory moves a little), or ``""``.
 
     Example:
-        >>> split_advice(Config(optimizer="host:12,nvme", nvme_path="/tmp/x"), specs, 300 << 20)  # doctest: +SKIP
+        >>> split_advice(Tiering(optimizer="host:12,nvme", nvme_path="/tmp/x"), specs, 300 << 20)  # doctest: +SKIP
         'optimizer=host:12,nvme holds 1.3 GiB in host memory; optimizer=host:5,nvme (7 fewer layers of 112.0 MiB) fits'
     """
     tips = []
     for key in TIER_KEYS:
-        split = TierSplit.parse(getattr(config, key))
+        split = TierSplit.parse(getattr(tiering, key))
         streamed = [s for s in specs if KIND_KEY[s.kind] == key and s.length > 1]
         if split.whole or not streamed or short <= 0:
             continue

@@ -70,7 +70,7 @@ def _one_batch(params: ParamStores, fns, batch):
     L = s["blocks"].num_layers
     groups = [[Read("params_embed", s["embed"], 0)]] + [[Read("params_blocks", s["blocks"], i)] for i in range(L)]
     groups.append([Read("params_head", s["head"], 0), Read("params_embed", s["embed"], 0)])
-    reads = ReadAhead(groups, params.config.prefetch_depth)
+    reads = ReadAhead(groups, params.memory.prefetch_depth)
     embed, block, head = fns
     (pe,) = next(reads)
     h = embed(pe, batch[:, :-1])

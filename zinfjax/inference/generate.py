@@ -109,7 +109,7 @@ class Generator:
         groups = [[Read("params_embed", s["embed"], 0)]]
         groups += [[Read("params_blocks", s["blocks"], i), Read("kv_cache", self.cache, i)] for i in range(L)]
         groups.append([Read("params_head", s["head"], 0), Read("params_embed", s["embed"], 0)])
-        reads = ReadAhead(groups, self.config.prefetch_depth)
+        reads = ReadAhead(groups, self.params.memory.prefetch_depth)
         embed, block, head = self._fns
         p_pos = jnp.int32(pos)
         (pe,) = next(reads)

@@ -25,12 +25,14 @@ from zinfjax.checkpoint.manager import latest_checkpoint
 from zinfjax.config import Config
 from zinfjax.engine.budget import with_defaults
 from zinfjax.engine.stores import SCRATCH_NVME
+from zinfjax.sections import Memory
 from zinfjax.store import open_store
 from zinfjax.store.pool import staging_pool
 
 
 class ParamStores:
-    """The parameter stores of one model on one tier, as ``stores[group]``.
+    """The parameter stores of one model on one tier, as ``stores[group]``; ``memory``: the read-ahead and staging
+    buffers they stream with (``config``'s, fixed defaults where it leaves them to a budget: `with_defaults`).
 
     Example:
         >>> ps = ParamStores.from_checkpoint("runs/ckpt", model, config)
@@ -38,9 +40,9 @@ class ParamStores:
     """
 
     def __init__(self, abstract, config: Config, name: str = "infer"):
-        self.config = config = with_defaults(config)
+        self.config, self.memory = config, with_defaults(config.section(Memory))
         self.dtype = COMPUTE_DTYPES[config.precision]
-        self.pool = staging_pool(config.host_buffer_bytes)
+        self.pool = staging_pool(self.memory.host_buffer_bytes)
         self.stores = {}
         for g in GROUPS:
             like = jax.tree.map(functools.partial(self._stacked, stacked=g == "blocks"), abstract[g])

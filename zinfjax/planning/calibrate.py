@@ -15,6 +15,7 @@ from zinfjax.config import Config
 from zinfjax.planning.cost import NOMINAL, compute_factor
 from zinfjax.planning.probes import disk_seconds
 from zinfjax.runtime import allocator
+from zinfjax.sections import EngineSettings
 from zinfjax.store.threads import io_cpu_seconds
 
 CALIBRATION_LAYERS = 4
@@ -71,8 +72,10 @@ def _batch(config: Config, vocab: int):
     return np.random.default_rng(0).integers(0, vocab, (config.batch_size, config.seq_len + 1)).astype(np.int32)
 
 
-def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAYERS, tier: str = "device") -> dict:
-    """Times the engine with every tier on ``tier`` on a few layers; counts each store's reads and writes per byte.
+def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAYERS, tier: str = "device",
+                     nvme_path: str | None = None) -> dict:
+    """Times the engine with every tier on ``tier`` (under ``nvme_path``, default ``config``'s) on a few layers, with
+    the budget the engine measures for itself; counts each store's reads and writes per byte.
 
     ``timed_s`` is the median step as timed; ``step_s`` that over ``slowed``, the factor the engine's own choices
     put on it (`zinfjax.planning.cost.compute_factor`) where a small budget made it recompute or give back its pages.
@@ -81,13 +84,13 @@ def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAY
     from zinfjax.sharding import make_mesh
     from zinfjax.trainers.streaming import lm_engine
 
-    c = config.replace(**dict.fromkeys(TIER_KEYS, tier), tiers="manual", save_dir=None, resume=False,
-                       memory_limit=None)
+    settings = _calibration_settings(config, tier, nvme_path)
     allocator.trim()  # the budget counts what the process holds: not the pages its heap kept from the last run
     m = calibration_model(model_config, layers)
-    engine = lm_engine(models.build(m, COMPUTE_DTYPES[c.precision]), c, make_mesh(c.mesh_axes()))
+    engine = lm_engine(models.build(m, COMPUTE_DTYPES[config.precision]), config, make_mesh(config.mesh_axes()),
+                       settings=settings)
     try:
-        batch = _batch(c, m.vocab_size)
+        batch = _batch(config, m.vocab_size)
         engine.train_step(batch)
         named = [(k, g, s) for k, d in engine.stores.stores.items() for g, s in d.items()]
         named += [("acts", f"s:scan{p}", s) for p, s in engine.stores.acts.items()]
@@ -100,7 +103,7 @@ def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAY
             n = CALIBRATION_STEPS * max(size, 1)
             traffic[f"{k}|{g}"] = ((s.stats.bytes_read - r0) / n, (s.stats.bytes_written - w0) / n)
         slowed = compute_factor({"recompute": not engine.saves_residuals, "returns_pages": engine.strict_heap},
-                                recompute_factor(c, m))
+                                recompute_factor(config, m))
     finally:
         engine.close()
     read = sum(s.stats.bytes_read - before[(k, g)][0] for k, g, s in named) / CALIBRATION_STEPS
@@ -109,6 +112,15 @@ def calibrate_engine(config: Config, model_config, layers: int = CALIBRATION_LAY
     return {"step_s": timed / slowed, "timed_s": timed, "slowed": slowed, "layers": m.n_layers, "traffic": traffic,
             "bytes_per_step": read + written, "read_per_step": read, "written_per_step": written,
             "io_cpu_s": statistics.median(io_cpu_seconds(s) for s in steps)}
+
+
+def _calibration_settings(config: Config, tier: str, nvme_path: str | None) -> EngineSettings:
+    """``config``'s engine settings with every tier key on ``tier`` (under ``nvme_path``, if given) and no memory_limit:
+    what the calibration asks the engine about, the run's config left as it is."""
+    settings = config.engine_settings()
+    tiering = settings.tiering.replace(**dict.fromkeys(TIER_KEYS, tier), tiers="manual",
+                                       nvme_path=nvme_path or settings.tiering.nvme_path)
+    return settings.replace(tiering=tiering, memory=settings.memory.replace(memory_limit=None))
 
 
 def added_rate(device: dict, tier: dict, floor: float) -> float:
@@ -169,7 +181,7 @@ def calibrate_nvme(config: Config, model_config, layers: int) -> dict:
     os.makedirs(config.nvme_path, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=".zinfjax-plan-", dir=config.nvme_path)
     try:
-        return calibrate_engine(config.replace(nvme_path=scratch), model_config, layers, tier="nvme")
+        return calibrate_engine(config, model_config, layers, tier="nvme", nvme_path=scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -20,6 +20,7 @@ from zinfjax.engine.budget import (
 from zinfjax.engine.stores import StoreSpec, budget_needs
 from zinfjax.planning.probes import disk_seconds
 from zinfjax.planning.state import KIND_TIER, device_bytes
+from zinfjax.sections import Memory
 
 NOMINAL = {"disk_read_GBps": 1.0, "disk_write_GBps": 1.0, "host_copy_GBps": 4.0, "nvme_step_GBps": 1.0,
            "disk_efficiency": 1.0, "flops_per_s": 2e10}
@@ -131,12 +132,13 @@ def engine_choice(config: Config, parts: dict, stores, tiers: dict[str, str], ma
     whole = budget_needs(state, acts, platform) if cut else None
     limit = machine.get("engine_host_bytes", machine["host_bytes"])
     baseline = machine["baseline_bytes"] + ENGINE_START_BYTES
+    memory = config.section(Memory)
     try:
-        plan, saves, chosen = choose_budget(config.replace(memory_limit=limit), platform, parts.get("residuals", 0),
+        plan, saves, chosen = choose_budget(memory.replace(memory_limit=limit), platform, parts.get("residuals", 0),
                                             needs, whole, baseline=baseline)
     except MemoryBudgetError:
         return None
-    capped = memory_capped(config, dataclasses.replace(plan, source=machine["host_source"]))  # as the engine judges
+    capped = memory_capped(memory, dataclasses.replace(plan, source=machine["host_source"]))  # as the engine judges
     on_nvme = any("nvme" in s.tiers for s in specs)
     return {"recompute": not saves, "parts": bool(cut) and chosen is needs, "lean": plan.lean,
             "prefetch_depth": plan.prefetch_depth, "keeps_heap": plan.keeps_heap,

@@ -16,6 +16,7 @@ from zinfjax.engine.budget import MARGIN_FRACTION, MARGIN_MIN, default_limit
 from zinfjax.engine.stores import KIND_KEY
 from zinfjax.planning.scale import parameter_count
 from zinfjax.runtime import rss
+from zinfjax.sections import Numerics, Tiering
 
 KIND_TIER = KIND_KEY  # which tier key holds each kind of store
 
@@ -40,8 +41,9 @@ def _specs(config: Config, model_config) -> tuple[list, dict, int]:
     rules = ShardingRules.for_mesh(mesh, config.stage, model.partition_rules, PERSISTENCE_THRESHOLD)
     layout = compiled(program, tx, rules, mesh, compute, config.grad_accum)
     plan = layout.plan
-    specs, acts = store_specs(config, program, plan, layout.placement, compute)
-    cut = update_parts(program, plan, specs, spools_gradients(config, plan))
+    tiering, numerics = config.section(Tiering), config.section(Numerics)
+    specs, acts = store_specs(tiering, numerics, program, plan, layout.placement, compute)
+    cut = update_parts(program, plan, specs, spools_gradients(numerics, plan))
     stores = [(s.kind, s.group, s.like) for s in specs] + [("acts", s.group, s.like) for s in acts.values()]
     return stores, cut, residual_bytes(program, config.grad_accum)
 

@@ -11,7 +11,7 @@ This is what DeepSpeed's ``zero.Init`` does for torch, without hooks.
 
 Example:
     >>> source = InitSource(program, lambda rng: model.init(rng, tokens)["params"], jax.random.key(0))
-    >>> engine = Engine(program, source, tx, config, mesh)      # filled layer by layer
+    >>> engine = Engine(program, source, tx, settings, mesh)    # filled layer by layer
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def read_chunks(chunks: list[tuple[str, np.ndarray, int]], verify: bool = True) 
     """Reads every ``(path, slot, nbytes)`` at once (see `read_chunk`); returns their data views.
 
     ``verify=False`` skips the checksum (the file's size is still checked): for a caller that
-    has chosen to trust the disk (`zinfjax.config.Config.verify_chunks`).
+    has chosen to trust the disk (the ``verify_chunks`` key, `zinfjax.sections.Tiering`).
 
     Raises:
         FileNotFoundError, ChunkCorruptError, OSError: as `read_chunk`, with ``.chunk`` set to the

@@ -19,12 +19,14 @@ from zinfjax.engine.engine import prepare, streamed_program
 from zinfjax.models.configs import ModelConfig, tile_counts
 from zinfjax.models.stacked import lm_init, lm_loss, takes_rng
 from zinfjax.program import InitSource, program_for
+from zinfjax.sections import EngineSettings
 from zinfjax.trainers.optimizers import make_optimizer
 
 
-def lm_program(model, config: Config, tx, mesh=None):
+def lm_program(model, config: Config, tx, mesh=None, settings: EngineSettings | None = None):
     """The program (and update plan) of a reference language model on ``(batch_size, seq_len + 1)`` tokens, as the
-    engine streams it on ``mesh`` (`zinfjax.engine.engine.streamed_program`); without a mesh, tile by tile."""
+    engine streams it on ``mesh`` (`zinfjax.engine.engine.streamed_program`) under ``settings`` (default:
+    ``config``'s, `Config.engine_settings`); without a mesh, tile by tile."""
     batch = jax.ShapeDtypeStruct((config.batch_size // config.grad_accum, config.seq_len + 1), jnp.int32)
     compute = COMPUTE_DTYPES[config.precision]
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute),
@@ -32,7 +34,8 @@ def lm_program(model, config: Config, tx, mesh=None):
     def make(nest: bool):
         return program_for(lm_loss(model), like, batch, with_rng=takes_rng(model), nest_tiles=nest)
 
-    program = make(True) if mesh is None else streamed_program(make, tx, config, mesh, model.partition_rules)
+    settings = settings or config.engine_settings()
+    program = make(True) if mesh is None else streamed_program(make, tx, settings, mesh, model.partition_rules)
     return program, update_plan(tx, program)
 
 
@@ -62,25 +65,27 @@ def fits(model_config: ModelConfig, config: Config, mesh, tx=None) -> None:
     tx = tx or make_optimizer(config)
     model = models.build(model_config, COMPUTE_DTYPES[config.precision])
     program, _ = lm_program(model, config, tx, mesh)
-    prepare(program, tx, config, mesh, model.partition_rules)
+    prepare(program, tx, config.engine_settings(), mesh, model.partition_rules)
 
 
-def lm_engine(model, config: Config, mesh, source=None, tx=None) -> Engine:
+def lm_engine(model, config: Config, mesh, source=None, tx=None, settings: EngineSettings | None = None) -> Engine:
     """An engine training a reference language model.
 
     ``source`` is None (initialise layer by layer, bitwise as ``model.init``), a source, or a
-    callable ``source(program, plan)`` that makes one.
+    callable ``source(program, plan)`` that makes one. ``settings``: the engine's (default: ``config``'s,
+    `Config.engine_settings`), for a caller that asks the engine about other tiers or budgets than the run's.
 
     Example:
         >>> engine = lm_engine(models.build("gpt2-tiny"), Config(params="nvme", nvme_path="/nv"), mesh)
     """
     tx = tx or make_optimizer(config)
-    program, plan = lm_program(model, config, tx, mesh)
+    settings = settings or config.engine_settings()
+    program, plan = lm_program(model, config, tx, mesh, settings)
     if source is None:
         source = InitSource(program, lm_init(model), jax.random.key(config.seed))
     elif not isinstance(source, Source):  # a callable that makes one
         source = source(program, plan)
-    return Engine(program, source, tx, config, mesh, tp_rules=model.partition_rules)
+    return Engine(program, source, tx, settings, mesh, tp_rules=model.partition_rules)
 
 
 class EngineTrainer:

@@ -57,13 +57,15 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
     started = time.perf_counter()
     initialize_from_env()
     main = is_main_process()
-    config, model_config, batches, start, data, plan = _prepare(config, main, progress)
-    model, trainer = build_trainer(config.replace(nvme_path=process_nvme_path(config.nvme_path)))
+    given = config.with_batch_for(make_mesh(config.mesh_axes()).shape["data"])  # as given, batch settled: checkpointed
+    config, model_config, batches, start, data, plan = _prepare(given, main, progress)
+    run_config = config.replace(nvme_path=process_nvme_path(config.nvme_path))
+    model, trainer = build_trainer(run_config)
     tracer = _attach_tracer(trainer, trace if main else None)
     log = {"config": config.to_dict(), "processes": jax.process_count(), "devices": jax.device_count(),
            "init_s": time.perf_counter() - started, "init_peak_rss_bytes": rss.peak_bytes(),
            "malloc_huge_pages": allocator.huge_pages(), "data": data, "steps": []}
-    first = _start(trainer, batches, log, main)
+    first = _start(run_config, trainer, batches, log, main)
     if config.warmup_steps > config.steps and main:
         print(f"zinfjax: warning: warmup_steps={config.warmup_steps} is longer than the run (steps={config.steps}): "
               "the learning rate never reaches lr", file=sys.stderr)
@@ -77,7 +79,7 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
                             "other_cpu_cores": plan["rates"].get("other_cpu_cores")}
     if trainer.engine is not None:
         log.update(engine_facts(trainer.engine))
-    saver = Saver(config, model.config, trainer, start.run_id, first - 1) if config.save_dir else None
+    saver = Saver(given, model.config, trainer, start.run_id, first - 1) if config.save_dir else None
     floor = board = None
     try:
         try:
@@ -107,9 +109,8 @@ def run(config: Config, progress: bool = True, trace: str | None = None) -> dict
 
 
 def _prepare(config: Config, main: bool, progress: bool = False):
-    """The run's config (micro-batch, tiers=auto and resume decided), model, batches, start and what the data is
-    (for the log), each checked before anything is built."""
-    config = config.with_batch_for(make_mesh(config.mesh_axes()).shape["data"])  # DeepSpeed's micro-batch
+    """The run's config (tiers=auto and resume decided, from ``config`` with its batch settled), model, batches,
+    start and what the data is (for the log), each checked before anything is built."""
     plan = None
     if config.tiers_auto:
         config, plan = auto_tiers(config, main)
@@ -234,20 +235,21 @@ def auto_tiers(config: Config, main: bool = True) -> tuple[Config, dict]:
     return config, plan
 
 
-def _start(trainer, batches: Batches, log: dict, main: bool) -> int:
-    """The first step to run: 1, or one past a restored checkpoint (whose data position it takes)."""
+def _start(config: Config, trainer, batches: Batches, log: dict, main: bool) -> int:
+    """The first step to run: 1, or one past a restored checkpoint (whose data position it takes); ``config``: the
+    trainer's."""
     engine, restored = trainer.engine, trainer.restored
     interrupted = engine.interrupted_step if engine is not None else None
     notes = []
     if interrupted is not None:
-        notes.append(f"the working state in {engine.config.nvme_path} was cut short during step "
+        notes.append(f"the working state in {config.nvme_path} was cut short during step "
                      f"{interrupted} and is rebuilt")
     if restored is not None:
         batches.position = restored.data_position
         notes.append(f"resuming from checkpoint {restored.directory} (step {restored.step})")
         log["resumed_from"] = {"directory": restored.directory, "step": restored.step}
-    elif engine is not None and engine.config.resume:
-        notes.append(f"no checkpoint in {engine.config.save_dir} yet: starting from step 0")
+    elif engine is not None and config.resume:
+        notes.append(f"no checkpoint in {config.save_dir} yet: starting from step 0")
     if notes and main:
         print("zinfjax: " + "; ".join(notes), file=sys.stderr)
     return 1 + (restored.step if restored is not None else 0)
@@ -259,7 +261,8 @@ class Saver:
     A failed save is reported and training goes on; the previous checkpoints are intact. A failed
     final save fails the run (`close` returns the error). A step whose loss is not finite is never
     saved, and pruning keeps the newest checkpoint that a finite loss has vouched for even beyond
-    ``keep_checkpoints`` (see `zinfjax.training.nonfinite`), until the run ends.
+    ``keep_checkpoints`` (see `zinfjax.training.nonfinite`), until the run ends. Each checkpoint records ``config``:
+    the run's config as given, its global batch settled, not the tiers or tiles ``tiers=auto`` chose (the log's).
     """
 
     def __init__(self, config: Config, model_config, trainer, run_id: str | None = None, start: int = 0):
