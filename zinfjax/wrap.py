@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import jax
@@ -89,6 +90,30 @@ class WrappedState:
         """The current optax state of the whole tree, read back from its tier into memory."""
         return self.engine.opt_state()
 
+    # A Flax ``TrainState`` has ``params`` and ``opt_state`` attributes, and this state had them as properties until
+    # they became `read_params` and `read_opt_state`: a name that reads the whole model back from its tiers should
+    # say so. The old names still work, and say once per process what to call instead: a FutureWarning, which Python
+    # shows by default wherever the call is (a DeprecationWarning is shown only for code run as ``__main__``).
+    _warned: set[str] = set()
+
+    def _renamed(self, old: str, new: str) -> None:
+        if old not in WrappedState._warned:
+            WrappedState._warned.add(old)
+            warnings.warn(f"WrappedState.{old} is deprecated and will be removed: call state.{new}() instead (it "
+                          "reads the whole tree back from its tiers into memory)", FutureWarning, stacklevel=3)
+
+    @property
+    def params(self):
+        """Deprecated: `read_params` (this warns once, then returns ``read_params()``)."""
+        self._renamed("params", "read_params")
+        return self.read_params()
+
+    @property
+    def opt_state(self):
+        """Deprecated: `read_opt_state` (this warns once, then returns ``read_opt_state()``)."""
+        self._renamed("opt_state", "read_opt_state")
+        return self.read_opt_state()
+
     def sync(self):
         """Writes the current parameters back into the wrapped NNX model (no-op for Linen); returns them."""
         params = self.read_params()
@@ -142,6 +167,8 @@ def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=
             raise WrapError("an nnx.Optimizer says what trains with its wrt filter (nnx.Optimizer(model, tx, "
                             "wrt=nnx.LoRAParam)); trainable= is for a Linen TrainState")
         return _wrap_nnx(state, config, loss_fn, mesh, model, restore, batch, partition_rules)
+    if isinstance(state, WrappedState):
+        raise WrapError("this state is wrapped already: train it with its own train_step")
     for attr in ("params", "tx"):
         if not hasattr(state, attr):
             raise WrapError(f"zinfjax.wrap takes a flax TrainState or an nnx.Optimizer; {type(state).__name__} has no "
