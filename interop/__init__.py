@@ -4,7 +4,7 @@ This package imports torch. The zinfjax library never imports it; only the
 ``zinfjax convert`` command does, lazily, so torch stays an optional extra.
 
 Example:
-    >>> from interop import convert, load_hf, save_hf
+    >>> from zinfjax_interop import convert, load_hf, save_hf
     >>> config, params = load_hf("path/to/hf-model")   # GPT-2, Llama or BERT
     >>> save_hf(params, config, "path/to/out")
     >>> convert("path/to/ds-run", "runs/from-ds")        # a DeepSpeed ZeRO checkpoint, Adam state included

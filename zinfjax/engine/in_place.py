@@ -3,7 +3,7 @@
 A run that starts from (or resumes onto) a base checkpoint reads its frozen leaves every step and
 never writes them (`zinfjax.program.frozen`). Where such a leaf's checkpoint chunks are exactly the
 chunks the nvme params store would write (one whole layer each, in the compute dtype, unsharded), the
-store reads them where they are (`zinfjax.store.NvmeStore`'s ``in_place``) instead of copying the base
+store reads them where they are (`zinfjax.store.nvme.NvmeStore`'s ``in_place``) instead of copying the base
 into ``nvme_path``: a fp32 fine-tune of a converted model (`zinfjax convert` writes one layer a chunk)
 at ZeRO stages 0-2. A bf16 run of a fp32 base, or stage 3's device shards, copies it (cast, or cut),
 and the step log says which (``base.in_place_bytes`` and ``base.copied_bytes``).

@@ -10,7 +10,6 @@ functions over three parameter groups:
   also receives the embedding group so that a tied output projection can read it.
 
 A model follows the convention when it has a ``layers()`` method returning `Layers`.
-See docs/layered.md.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from zinfjax.errors import UserError
 from zinfjax.models.products import accumulator
 
 Params = Any
-DOCS = "docs/layered.md"
+DOCS = "the docstring of zinfjax.models.layered"
 
 
 class Layers(NamedTuple):
