@@ -6,14 +6,29 @@ give the loss you would pass to ``jax.grad`` in your own loop. zinfjax cuts it a
 in-memory optax loop would.
 
 Example:
-    >>> state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(3e-4))
-    >>> def loss_fn(params, batch):
-    ...     logits = state.apply_fn({"params": params}, batch["image"])
-    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-    >>> state = zinfjax.wrap(state, zinfjax.Config(params="nvme", optimizer="nvme", nvme_path="/mnt/nvme/run1"),
-    ...                      loss_fn=loss_fn)
-    >>> for batch in batches:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, optax, tempfile, zinfjax
+    >>> from flax.training import train_state
+    >>> class Block(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, h, _):
+    ...         return jnp.tanh(nn.Dense(8)(h)), None
+    >>> class Model(nn.Module):                     # four blocks: one nn.scan over stacked parameters
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         h, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)()(x, None)
+    ...         return nn.Dense(1)(h)[:, 0]
+    >>> model, batch = Model(), {"x": jnp.ones((8, 8)), "y": jnp.zeros(8)}
+    >>> params = model.init(jax.random.key(0), batch["x"])["params"]
+    >>> state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-2))
+    >>> def loss_fn(params, batch):                 # what you would pass to jax.grad
+    ...     return jnp.mean((model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+    >>> config = zinfjax.Config(params="nvme", optimizer="nvme", nvme_path=tempfile.mkdtemp())
+    >>> state = zinfjax.wrap(state, config, loss_fn=loss_fn)
+    >>> for _ in range(2):
     ...     state, metrics = state.train_step(batch)
+    >>> metrics["step"], metrics["read_bytes_nvme"] > 0
+    (2, True)
+    >>> state.close()
 """
 
 from __future__ import annotations
@@ -155,11 +170,21 @@ def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=
         trainable: ``trainable(path, leaf) -> bool`` (``path``: ``"blocks/q_lora/a"``): train these alone, the rest
             frozen (docs/engine.md, "Frozen parameters"); the optimizer starts afresh, so wrap a state at step 0.
 
-    Example:
-        >>> state = zinfjax.wrap(state, zinfjax.Config(params="nvme", optimizer="nvme", nvme_path="/nv"),
-        ...                      loss_fn=loss_fn)
-        >>> state, metrics = state.train_step(batch)
-        >>> big = zinfjax.wrap(abstract_state, config, loss_fn=loss_fn, init_fn=init_fn)   # never whole
+    Example (abstract parameters and an initialiser: the model is never whole in memory):
+        >>> import jax, jax.numpy as jnp, optax, tempfile
+        >>> from flax.training import train_state
+        >>> def loss_fn(params, batch):             # three layers: a scan over their stacked weights
+        ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"])
+        ...     return jnp.mean(h ** 2)
+        >>> init_fn = lambda rng: {"blocks": jax.random.normal(rng, (3, 8, 8)) / 8}
+        >>> abstract = jax.eval_shape(init_fn, jax.random.key(0))
+        >>> state = train_state.TrainState.create(apply_fn=None, params=abstract, tx=optax.adam(1e-3))
+        >>> config = Config(params="nvme", optimizer="nvme", nvme_path=tempfile.mkdtemp())
+        >>> state = wrap(state, config, loss_fn=loss_fn, init_fn=init_fn)   # filled one layer at a time
+        >>> state, metrics = state.train_step(jnp.ones((8, 8)))
+        >>> state.read_params()["blocks"].shape
+        (3, 8, 8)
+        >>> state.close()
     """
     mesh = mesh if mesh is not None else make_mesh(config.mesh_axes())
     if _is_nnx_optimizer(state):

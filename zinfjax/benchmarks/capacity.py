@@ -38,7 +38,7 @@ def param_count(config: ModelConfig) -> int:
 
     Example:
         >>> param_count(ModelConfig.named("gpt2-mini"))
-        4870656
+        4870144
     """
     from zinfjax import models
     from zinfjax.models.stacked import lm_init
