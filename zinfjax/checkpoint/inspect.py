@@ -80,7 +80,7 @@ def verify_text(path: str) -> tuple[str, bool]:
         >>> for step in (4, 6):
         ...     path = write_params(save_dir, {"blocks": {"fc": {"kernel": np.ones((3, 4, 4), np.float32)}}}, step=step)
         >>> with open(f"{path}/params/blocks.fc.kernel/c/2/0/0", "r+b") as chunk:   # a bit flips in step 6's layer 2
-        ...     _ = chunk.write(b"\x01")
+        ...     _ = chunk.write(bytes([1]))
         >>> print(verify_text(save_dir)[0])
         step 4: complete
         step 6: corrupt (params/blocks.fc.kernel: chunk c/2/0/0: crc32c mismatch)

@@ -20,7 +20,7 @@ Example:
     ...     path = write_params(save_dir, {"blocks": {"fc": {"kernel": np.ones((3, 4, 4), np.float32)}}}, step=step,
     ...                         config=config, model=model)
     >>> with open(f"{path}/params/blocks.fc.kernel/c/2/0/0", "r+b") as chunk:   # a bit flips in step 6's layer 2
-    ...     _ = chunk.write(b"\x01")
+    ...     _ = chunk.write(bytes([1]))
     >>> start = choose_start(config, model)
     >>> start.step, start.notes
     (4, ['skipped step 6: corrupt (params/blocks.fc.kernel: chunk c/2/0/0: crc32c mismatch)', ...])

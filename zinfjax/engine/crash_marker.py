@@ -6,9 +6,16 @@ process killed mid-step leaves it neither the old step nor the new one. The engi
 landed; the next engine on that path finds it, reports the step (`Engine.interrupted_step`),
 and rebuilds the working state from its source: a checkpoint, or the initial parameters.
 
-Example:
-    >>> Engine(...).interrupted_step     # None, or the step that was cut short
+Example (what a killed process leaves, and what the next engine on its nvme_path reads; its
+`Engine.interrupted_step`):
+    >>> import tempfile
+    >>> from zinfjax import Config
+    >>> config = Config(params="nvme", nvme_path=tempfile.mkdtemp())
+    >>> begin(config, 7)                    # step 7 starts, and the process is killed before end(config)
+    >>> interrupted(config)
     7
+    >>> end(config); interrupted(config) is None
+    True
 """
 
 from __future__ import annotations
