@@ -5,9 +5,10 @@ each step's own peak (``peak_rss_bytes``), and the peak of initialisation before
 
 Example:
     >>> reset_peak()
-    >>> ...                         # one training step
-    >>> peak_bytes()                # the most this process held during that step
-    812345344
+    True
+    >>> step = b"x" * (64 << 20); del step          # one training step: 64 MiB held, then freed
+    >>> peak_bytes() - current_bytes() > 32 << 20   # the most this process held during it, above what it holds now
+    True
 """
 
 from __future__ import annotations
