@@ -11,7 +11,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
     Example (8 query heads over 2 key-value heads):
         >>> q, kv = jnp.ones((2, 5, 8, 16)), jnp.ones((2, 5, 2, 16))      # (B, T, H, D)
-        >>> causal_attention(q, kv, jnp.arange(5.0)[None, :, None, None] * kv)[0, :, 0, 0].tolist()   # running means
+        >>> out = causal_attention(q, kv, jnp.arange(5.0)[None, :, None, None] * kv)      # v_t = t
+        >>> [round(x, 4) for x in out[0, :, 0, 0].tolist()]      # equal scores: the mean of v over t' <= t
         [0.0, 0.5, 1.0, 1.5, 2.0]
     """
     t = q.shape[1]
@@ -25,7 +26,8 @@ def padded_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Arr
         >>> q = k = jnp.ones((1, 4, 2, 8))
         >>> v = jnp.arange(4.0)[None, :, None, None] * jnp.ones((1, 4, 2, 8))
         >>> attention_mask = jnp.array([[1, 1, 0, 0]])
-        >>> padded_attention(q, k, v, attention_mask.astype(bool))[0, :, 0, 0].tolist()   # (B, T, H, D)
+        >>> out = padded_attention(q, k, v, attention_mask.astype(bool))   # (B, T, H, D)
+        >>> [round(x, 4) for x in out[0, :, 0, 0].tolist()]              # the mean of v over the real tokens
         [0.5, 0.5, 0.5, 0.5]
     """
     return _attend(q, k, v, key_mask[:, None, None, :])

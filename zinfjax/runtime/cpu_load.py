@@ -4,7 +4,7 @@ processes took while something was timed can be told apart (a shared machine ske
 Example:
     >>> with OtherLoad() as load:
     ...     time.sleep(0.05)                    # what is timed
-    >>> 0.0 <= load.cores <= os.cpu_count()     # the cores other processes kept busy meanwhile, on average
+    >>> load.cores >= 0.0                       # the cores other processes kept busy meanwhile, on average
     True
 """
 

@@ -4,10 +4,13 @@
 each step's own peak (``peak_rss_bytes``), and the peak of initialisation before the first step.
 
 Example:
+    >>> import mmap
     >>> reset_peak()
     True
-    >>> step = b"x" * (64 << 20); del step          # one training step: 64 MiB held, then freed
-    >>> peak_bytes() - current_bytes() > 32 << 20   # the most this process held during it, above what it holds now
+    >>> before = current_bytes()
+    >>> with mmap.mmap(-1, 64 << 20) as step:       # one training step, which holds 64 MiB a while
+    ...     _ = step.write(bytes(64 << 20))
+    >>> peak_bytes() - before > 48 << 20            # the most this process held during that step: about 64 MiB more
     True
 """
 
