@@ -263,19 +263,14 @@ def write_hf(read: Callable[[str, int | None], np.ndarray], dtypes: dict[str, An
     A failure removes the shards already written.
 
     Returns:
-        ``tensors``, ``bytes`` and ``dtype`` (of the first tensor, as config.json records it).
+        ``tensors``, ``bytes``, ``dtype`` (of the first tensor, as config.json records it) and ``files``.
 
-    Example (a zinfjax checkpoint to Hugging Face in bf16, as ``zinfjax convert --to hf --dtype bf16`` does):
-        >>> import tempfile
-        >>> from zinfjax.checkpoint.writer import write_params
-        >>> from zinfjax_interop.convert import ZinfjaxCheckpoint
-        >>> model = ModelConfig.named("gpt2-tiny")
-        >>> params = jax.jit(models.build(model).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-        >>> ckpt, out = write_params(tempfile.mkdtemp(), params, model=model), tempfile.mkdtemp()
-        >>> with ZinfjaxCheckpoint(ckpt) as src:
-        ...     written = write_hf(src.read, {p: s.dtype for p, s in src.like.items()}, src.config, out, "bfloat16")
-        >>> written["tensors"], written["dtype"]
-        (52, 'bfloat16')
+    Example (a tree in memory, in bf16; ``zinfjax convert --to hf`` reads a checkpoint's leaves so):
+        >>> import tempfile; config, rng = ModelConfig.named("gpt2-tiny"), np.random.default_rng(0)
+        >>> params = {p: rng.normal(0, 0.02, s).astype(np.float32) for p, s in zinfjax_shapes(config).items()}
+        >>> read = lambda path, layer: params[path] if layer is None else params[path][layer]
+        >>> write_hf(read, {p: a.dtype for p, a in params.items()}, config, tempfile.mkdtemp(), "bfloat16")
+        {'tensors': 52, 'bytes': 449280, 'dtype': 'bfloat16', 'files': 1}
     """
     stale = [f for f in (SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX) if os.path.exists(os.path.join(directory, f))]
     stale += sorted(os.path.basename(f) for f in glob.glob(os.path.join(directory, "model-*-of-*.safetensors")))

@@ -29,6 +29,21 @@ Example:
     >>> metrics["step"], metrics["read_bytes_nvme"] > 0
     (2, True)
     >>> state.close()
+
+A model too large for memory starts from abstract parameters and an initialiser, and is never whole in memory: each
+layer is initialised straight into its tier (``init_fn``):
+
+    >>> def loss_fn(params, batch):                 # three layers: a scan over their stacked weights
+    ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"])
+    ...     return jnp.mean(h ** 2)
+    >>> init_fn = lambda rng: {"blocks": jax.random.normal(rng, (3, 8, 8)) / 8}
+    >>> abstract = jax.eval_shape(init_fn, jax.random.key(0))
+    >>> state = train_state.TrainState.create(apply_fn=None, params=abstract, tx=optax.adam(1e-3))
+    >>> state = zinfjax.wrap(state, config, loss_fn=loss_fn, init_fn=init_fn)
+    >>> state, metrics = state.train_step(jnp.ones((8, 8)))
+    >>> state.read_params()["blocks"].shape
+    (3, 8, 8)
+    >>> state.close()
 """
 
 from __future__ import annotations
@@ -170,21 +185,10 @@ def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=
         trainable: ``trainable(path, leaf) -> bool`` (``path``: ``"blocks/q_lora/a"``): train these alone, the rest
             frozen (docs/engine.md, "Frozen parameters"); the optimizer starts afresh, so wrap a state at step 0.
 
-    Example (abstract parameters and an initialiser: the model is never whole in memory):
-        >>> import jax, jax.numpy as jnp, optax, tempfile
-        >>> from flax.training import train_state
-        >>> def loss_fn(params, batch):             # three layers: a scan over their stacked weights
-        ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"])
-        ...     return jnp.mean(h ** 2)
-        >>> init_fn = lambda rng: {"blocks": jax.random.normal(rng, (3, 8, 8)) / 8}
-        >>> abstract = jax.eval_shape(init_fn, jax.random.key(0))
-        >>> state = train_state.TrainState.create(apply_fn=None, params=abstract, tx=optax.adam(1e-3))
-        >>> config = Config(params="nvme", optimizer="nvme", nvme_path=tempfile.mkdtemp())
-        >>> state = wrap(state, config, loss_fn=loss_fn, init_fn=init_fn)   # filled one layer at a time
-        >>> state, metrics = state.train_step(jnp.ones((8, 8)))
-        >>> state.read_params()["blocks"].shape
-        (3, 8, 8)
-        >>> state.close()
+    Example (the module docstring wraps and trains a Linen model, and one from abstract parameters):
+        >>> wrap(object(), Config())
+        Traceback (most recent call last):
+        zinfjax.wrap.WrapError: zinfjax.wrap takes a flax TrainState or an nnx.Optimizer; object has no 'params'
     """
     mesh = mesh if mesh is not None else make_mesh(config.mesh_axes())
     if _is_nnx_optimizer(state):
@@ -192,12 +196,7 @@ def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=
             raise WrapError("an nnx.Optimizer says what trains with its wrt filter (nnx.Optimizer(model, tx, "
                             "wrt=nnx.LoRAParam)); trainable= is for a Linen TrainState")
         return _wrap_nnx(state, config, loss_fn, mesh, model, restore, batch, partition_rules)
-    if isinstance(state, WrappedState):
-        raise WrapError("this state is wrapped already: train it with its own train_step")
-    for attr in ("params", "tx"):
-        if not hasattr(state, attr):
-            raise WrapError(f"zinfjax.wrap takes a flax TrainState or an nnx.Optimizer; {type(state).__name__} has no "
-                            f"{attr!r}")
+    _check_train_state(state)
     if loss_fn is None:
         loss_fn, init_fn, batch, partition_rules = _own_lm(state, config, init_fn, batch, partition_rules)
     abstract = _is_abstract(state.params)
@@ -220,6 +219,15 @@ def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=
     build = _builder(loss_fn, state.params, tx, config, mesh, partition_rules, source_for)
     engine = build(batch) if batch is not None else None
     return WrappedState(build, config, engine.step_count if engine is not None else step, engine=engine)
+
+
+def _check_train_state(state) -> None:
+    if isinstance(state, WrappedState):
+        raise WrapError("this state is wrapped already: train it with its own train_step")
+    for attr in ("params", "tx"):
+        if not hasattr(state, attr):
+            raise WrapError(f"zinfjax.wrap takes a flax TrainState or an nnx.Optimizer; {type(state).__name__} has no "
+                            f"{attr!r}")
 
 
 def _own_lm(state, config: Config, init_fn, batch, partition_rules):
