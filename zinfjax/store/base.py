@@ -127,8 +127,10 @@ class LayerStore:
             >>> import jax, jax.numpy as jnp, tempfile
             >>> from zinfjax.store import open_store
             >>> like = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32), "b": jax.ShapeDtypeStruct((4, 2), jnp.float32)}
-            >>> open_store("host", like).hands_over(3), open_store("nvme", like, path=tempfile.mkdtemp()).hands_over(3)
+            >>> host, nvme = open_store("host", like), open_store("nvme", like, path=tempfile.mkdtemp())
+            >>> host.hands_over(3), nvme.hands_over(3)        # the arrays it holds; a fresh read from disk
             (True, False)
+            >>> nvme.close()
         """
         return False
 

@@ -31,7 +31,8 @@ class StoreLock:
         >>> StoreLock(directory).acquire()         # held: by this process here, by another one in a real run
         Traceback (most recent call last):
         zinfjax.store.errors.StoreLockedError: the store ... is locked by process ... (lock file .../.lock); ...
-        >>> lock.release(); StoreLock(directory).acquire()
+        >>> lock.release()
+        >>> again = StoreLock(directory); again.acquire(); again.release()   # free again
     """
 
     def __init__(self, directory: str):
