@@ -12,13 +12,13 @@ leaf whole.
 
 Example:
     >>> import jax
-    >>> init = lambda k: jax.random.normal(k, (768, 3072)) * 0.02       # an MLP's input kernel
+    >>> init = lambda k: jax.random.normal(k, (96, 384)) * 0.02          # an MLP's input kernel, (D, 4 D)
     >>> key = jax.random.key(0)
     >>> closed, _ = jx.trace(init, key)
     >>> jaxpr = closed.jaxpr
-    >>> w = block(jaxpr.eqns, {jaxpr.invars[0]: key}, jaxpr.outvars[0], axis=1, lo=256, n=256)   # columns 256..511
-    >>> w.shape, bool((w == init(key)[:, 256:512]).all())
-    ((768, 256), True)
+    >>> w = block(jaxpr.eqns, {jaxpr.invars[0]: key}, jaxpr.outvars[0], axis=1, lo=128, n=128)   # columns 128..255
+    >>> w.shape, bool((w == init(key)[:, 128:256]).all())
+    ((96, 128), True)
 """
 
 from __future__ import annotations
