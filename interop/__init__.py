@@ -3,11 +3,19 @@
 This package imports torch. The zinfjax library never imports it; only the
 ``zinfjax convert`` command does, lazily, so torch stays an optional extra.
 
-Example:
-    >>> from interop import convert, load_hf, save_hf
-    >>> config, params = load_hf("path/to/hf-model")   # GPT-2, Llama or BERT
-    >>> save_hf(params, config, "path/to/out")
-    >>> convert("path/to/ds-run", "runs/from-ds")        # a DeepSpeed ZeRO checkpoint, Adam state included
+Example (a DeepSpeed ZeRO save dir converts the same way, Adam state included: `zinfjax_interop.deepspeed`):
+    >>> import numpy as np, tempfile
+    >>> from zinfjax.models import ModelConfig
+    >>> from zinfjax_interop import convert, load_hf, save_hf
+    >>> from zinfjax_interop.hf import zinfjax_shapes
+    >>> config, rng = ModelConfig.named("llama-tiny"), np.random.default_rng(0)   # GPT-2, Llama or BERT: a Llama
+    >>> params = {p: rng.normal(0, 0.02, s).astype(np.float32) for p, s in zinfjax_shapes(config).items()}
+    >>> hf_dir = tempfile.mkdtemp(); save_hf(params, config, hf_dir)             # as Hugging Face saves one
+    >>> config, params = load_hf(hf_dir)
+    >>> params["blocks"]["q"]["kernel"].shape
+    (4, 128, 16, 8)
+    >>> convert(hf_dir, tempfile.mkdtemp())["step"]         # a zinfjax checkpoint that training resumes from
+    0
 """
 
 from zinfjax_interop.convert import ZinfjaxCheckpoint, convert, detect_format

@@ -17,10 +17,21 @@ A zinfjax checkpoint with LoRA adapters goes ``to="peft"`` (a PEFT adapter direc
 ``merge=True``, ``to="hf"`` with the adapters folded into the weights (`zinfjax_interop.peft`).
 
 Example:
-    >>> convert("gpt2-dir", "runs/gpt2")                     # runs/gpt2/0: params + fresh adamw state
-    {'format': 'hf', 'path': '/.../runs/gpt2/0', 'tensors': 148, 'bytes': ..., 'dtype': 'float32', ...}
-    >>> convert("runs/gpt2", "gpt2-again", to="hf")          # config.json + model.safetensors
-    >>> convert("runs/lora", "out/adapter", to="peft")       # adapter_config.json + adapter_model.safetensors
+    >>> import numpy as np, tempfile
+    >>> from zinfjax_interop.hf import save_hf, zinfjax_shapes
+    >>> config, rng = ModelConfig.named("gpt2-tiny"), np.random.default_rng(0)     # a random GPT-2, saved as
+    >>> params = {p: rng.normal(0, 0.02, s).astype(np.float32) for p, s in zinfjax_shapes(config).items()}
+    >>> gpt2_dir = tempfile.mkdtemp(); save_hf(params, config, gpt2_dir)              # Hugging Face saves one
+    >>> runs = tempfile.mkdtemp()
+    >>> convert(gpt2_dir, f"{runs}/gpt2")                      # runs/gpt2/0: params + fresh adamw state
+    {'source': '...', 'format': 'hf', 'to': 'zinfjax', 'path': '.../gpt2/0', 'step': 0, 'tensors': ..., ...}
+    >>> convert(f"{runs}/gpt2", f"{runs}/gpt2-again", to="hf")["tensors"]          # config.json + model.safetensors
+    52
+    >>> sorted(os.listdir(f"{runs}/gpt2-again"))
+    ['config.json', 'model.safetensors']
+
+A zinfjax LoRA checkpoint goes ``to="peft"`` the same way: ``convert("runs/lora", "out/adapter", to="peft")``
+writes adapter_config.json and adapter_model.safetensors (`zinfjax_interop.peft` has the example).
 """
 
 from __future__ import annotations
@@ -205,8 +216,13 @@ def detect_format(src: str, to: str = "zinfjax") -> str:
     DeepSpeed's (with its optimizer state) is read for ``to="zinfjax"``, the HF model for ``"hf"``.
 
     Example:
-        >>> detect_format("runs/ckpt")
+        >>> import numpy as np, tempfile
+        >>> from zinfjax.checkpoint.writer import write_params
+        >>> detect_format(write_params(tempfile.mkdtemp(), {"w": np.ones(4, np.float32)}))
         'zinfjax'
+        >>> detect_format(tempfile.mkdtemp())
+        Traceback (most recent call last):
+        zinfjax_interop.convert.SourceError: ... is no checkpoint zinfjax recognises: expected a Hugging Face model ...
     """
     src = _strip_scheme(src)
     if os.path.isfile(src):
@@ -301,8 +317,16 @@ class ZinfjaxCheckpoint:
     checked (`check_base`) and the other leaves are read from there.
 
     Example:
-        >>> with ZinfjaxCheckpoint("runs/ckpt") as ckpt:
+        >>> import numpy as np, tempfile
+        >>> from zinfjax_interop.hf import save_hf, zinfjax_shapes
+        >>> config, rng = ModelConfig.named("gpt2-tiny"), np.random.default_rng(0)     # a random GPT-2, saved as
+        >>> params = {p: rng.normal(0, 0.02, s).astype(np.float32) for p, s in zinfjax_shapes(config).items()}
+        >>> gpt2_dir = tempfile.mkdtemp(); save_hf(params, config, gpt2_dir)              # Hugging Face saves one
+        >>> ckpt_path = convert(gpt2_dir, tempfile.mkdtemp())["path"]
+        >>> with ZinfjaxCheckpoint(ckpt_path) as ckpt:
         ...     q0 = ckpt.read("blocks/q/kernel", 0)
+        >>> q0.shape, bool((q0 == params["blocks/q/kernel"][0]).all())
+        ((64, 8, 8), True)
     """
 
     def __init__(self, path: str):

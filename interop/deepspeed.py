@@ -14,10 +14,17 @@ one parameter at a time, renamed and re-laid-out by the Hugging Face tables (`zi
 | ``global_steps`` | the checkpoint's step and data position |
 | lr, weight decay, stage, bf16/fp16, clipping | the recorded `Config` |
 
-Example:
-    >>> convert_deepspeed("runs/ds", "runs/zinfjax", "runs/ds/config.json")   # HF config of the model
+Example (on a DeepSpeed run's save dir: only DeepSpeed writes one; tests/interop/test_deepspeed.py makes them
+with real DeepSpeed runs):
+    >>> convert_deepspeed("runs/ds", "runs/zinfjax", "runs/ds/config.json")   # doctest: +SKIP
     {'path': 'runs/zinfjax/1200', 'step': 1200, 'stage': 3, 'world_size': 8, ...}
-    >>> zinfjax.wrap(train_state, config, restore="runs/zinfjax")
+    >>> zinfjax.wrap(train_state, config, restore="runs/zinfjax")            # doctest: +SKIP
+
+A directory that holds none is refused before anything is written:
+    >>> import tempfile
+    >>> convert_deepspeed(tempfile.mkdtemp(), tempfile.mkdtemp())
+    Traceback (most recent call last):
+    zinfjax_interop.errors.CheckpointFilesError: ... holds no DeepSpeed checkpoint: neither a 'latest' file nor ...
 """
 
 from __future__ import annotations

@@ -6,10 +6,15 @@ after the square root, bias correction, decoupled weight decay. torch's ``AdamW`
 ``exp_avg`` (optax's ``mu``), ``exp_avg_sq`` (``nu``) and ``step`` (``count``). Anything else is
 refused, naming the setting, rather than converted into a run that would train differently.
 
-Example:
+Example (the torch optimizer's parameter groups, as a DeepSpeed checkpoint holds them, and the run's config):
+    >>> param_groups = [{"lr": 3e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "params": [0]}]
+    >>> ds_config = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}}}
     >>> adam = adam_settings(param_groups, ds_config, source="runs/ds/global_step100")
     >>> adam.lr, adam.weight_decay
     (0.0003, 0.1)
+    >>> adam_settings([{**param_groups[0], "betas": (0.8, 0.999)}], ds_config, source="runs/ds/global_step100")
+    Traceback (most recent call last):
+    zinfjax_interop.ds_adam.UnsupportedOptimizerError: runs/ds/global_step100, parameter group 0: ...
 """
 
 from __future__ import annotations

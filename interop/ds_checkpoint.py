@@ -12,10 +12,17 @@ The pickles hold a few DeepSpeed classes (an enum, a loss scaler, fragment addre
 read with ``torch.load(weights_only=True, mmap=True)``, those classes allowlisted by name as inert
 stand-ins (`_Record`), so no DeepSpeed code, nor any other code, runs; tensors stay memory-mapped.
 
-Example:
-    >>> ckpt = DeepSpeedCheckpoint.open("runs/ds")       # the save dir or a global_stepN dir
-    >>> ckpt.stage, ckpt.world_size, ckpt.step
+Example (on a DeepSpeed run's save dir, or one of its global_stepN dirs: only DeepSpeed writes one;
+tests/interop/test_deepspeed.py makes them with real DeepSpeed runs):
+    >>> ckpt = DeepSpeedCheckpoint.open("runs/ds")       # doctest: +SKIP
+    >>> ckpt.stage, ckpt.world_size, ckpt.step           # doctest: +SKIP
     (3, 8, 1200)
+
+A directory that holds none, or a rank's file short, is refused, naming what is missing:
+    >>> import tempfile
+    >>> DeepSpeedCheckpoint.open(tempfile.mkdtemp())
+    Traceback (most recent call last):
+    zinfjax_interop.errors.CheckpointFilesError: ... holds no DeepSpeed checkpoint: neither a 'latest' file nor ...
 """
 
 from __future__ import annotations

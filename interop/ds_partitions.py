@@ -12,10 +12,17 @@ That is the layout ``deepspeed/utils/zero_to_fp32.py`` reads. The optimizer's ``
 ``exp_avg_sq`` have the same layout as the fp32 weights, so they are read the same way. Every read
 slices memory-mapped partitions and copies one parameter.
 
-Example:
-    >>> parts = Partitions.of(DeepSpeedCheckpoint.open("runs/ds"))
-    >>> parts.read("transformer.h.0.attn.c_attn.weight", "exp_avg").shape
+Example (on a DeepSpeed run's save dir: only DeepSpeed writes one; tests/interop/test_deepspeed.py makes them
+with real DeepSpeed runs):
+    >>> parts = Partitions.of(DeepSpeedCheckpoint.open("runs/ds"))                 # doctest: +SKIP
+    >>> parts.read("transformer.h.0.attn.c_attn.weight", "exp_avg").shape         # doctest: +SKIP
     (768, 2304)
+
+The checkpoint is checked whole when it is opened, before any partition is read:
+    >>> import tempfile
+    >>> Partitions.of(DeepSpeedCheckpoint.open(tempfile.mkdtemp()))
+    Traceback (most recent call last):
+    zinfjax_interop.errors.CheckpointFilesError: ... holds no DeepSpeed checkpoint: neither a 'latest' file nor ...
 """
 
 from __future__ import annotations

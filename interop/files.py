@@ -6,9 +6,14 @@ shapes come from the file headers, so a checkpoint can be checked whole before a
 read; then `TensorFiles.get` reads one tensor, so memory holds one tensor at a time.
 
 Example:
-    >>> with TensorFiles.open("llama-dir") as files:
-    ...     shape = files.shape("model.norm.weight")
-    ...     norm = files.get("model.norm.weight")      # numpy
+    >>> import tempfile
+    >>> llama_dir = tempfile.mkdtemp()                   # a Llama's model.safetensors: here, its final norm alone
+    >>> write_safetensors(f"{llama_dir}/model.safetensors", {"model.norm.weight": np.ones(128, np.float32)})
+    >>> with TensorFiles.open(llama_dir) as files:
+    ...     shape = files.shape("model.norm.weight")     # from the header
+    ...     norm = files.get("model.norm.weight")        # numpy, read now
+    >>> shape, type(norm).__name__
+    ((128,), 'ndarray')
 """
 
 from __future__ import annotations
@@ -44,7 +49,13 @@ class TensorFiles:
         """Opens the checkpoint files in ``directory``, preferring safetensors.
 
         Example:
-            >>> files = TensorFiles.open("gpt2-dir")
+            >>> import tempfile
+            >>> gpt2_dir = tempfile.mkdtemp()
+            >>> write_safetensors(f"{gpt2_dir}/model.safetensors", {"transformer.ln_f.bias": np.zeros(64, np.float32)})
+            >>> files = TensorFiles.open(gpt2_dir)
+            >>> files.names()
+            ['transformer.ln_f.bias']
+            >>> files.close()
         """
         for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (TORCH_BIN, TORCH_BIN_INDEX)):  # transformers' order
             if os.path.exists(os.path.join(directory, single)):
@@ -164,8 +175,12 @@ class StateDictFile(TensorFiles):
     ``state_dict``, ``model`` or ``module`` entry.
 
     Example:
-        >>> with StateDictFile("model.pt") as f:
-        ...     f.shape("transformer.wte.weight")
+        >>> import tempfile
+        >>> path = f"{tempfile.mkdtemp()}/model.pt"
+        >>> torch.save({"model": {"transformer.wte.weight": torch.zeros(256, 64)}, "iter_num": 7}, path)
+        >>> with StateDictFile(path) as f:                    # a training checkpoint: its "model" entry
+        ...     f.shape("transformer.wte.weight"), f.get("transformer.wte.weight").dtype
+        ((256, 64), dtype('float32'))
     """
 
     def __init__(self, path: str):
@@ -212,10 +227,14 @@ class SafetensorsWriter:
     tensor is in; `abort`, or an exception inside ``with``, removes it.
 
     Example:
+        >>> import safetensors.numpy, tempfile
+        >>> path = f"{tempfile.mkdtemp()}/model.safetensors"
         >>> specs = [("ln_f.weight", np.float32, (8,)), ("ln_f.bias", np.float32, (8,))]
-        >>> with SafetensorsWriter("out/model.safetensors", specs) as w:
+        >>> with SafetensorsWriter(path, specs) as w:
         ...     w.write(np.ones(8, np.float32))
         ...     w.write(np.zeros(8, np.float32))
+        >>> sorted(safetensors.numpy.load_file(path))          # what any safetensors reader finds
+        ['ln_f.bias', 'ln_f.weight']
     """
 
     def __init__(self, path: str, specs: list[tuple[str, object, tuple[int, ...]]],
@@ -277,7 +296,12 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
     """Writes ``tensors`` as one safetensors file that transformers loads, atomically.
 
     Example:
-        >>> write_safetensors("out/model.safetensors", {"ln_f.weight": np.ones(8, np.float32)})
+        >>> import tempfile
+        >>> path = f"{tempfile.mkdtemp()}/model.safetensors"
+        >>> write_safetensors(path, {"ln_f.weight": np.ones(8, np.float32)})
+        >>> with StateDictFile(path) as f:
+        ...     f.get("ln_f.weight").sum()
+        np.float32(8.0)
     """
     with SafetensorsWriter(path, [(name, a.dtype, a.shape) for name, a in tensors.items()]) as writer:
         for a in tensors.values():

@@ -7,9 +7,20 @@ pytree; `save_hf` writes params back as a directory that ``transformers`` loads.
 tensor names live in `zinfjax_interop.tables`, the config keys in `zinfjax_interop.hf_config`.
 
 Example:
-    >>> config, params = load_hf("gpt2-dir")              # params["blocks"] leaves are (L, ...)
-    >>> logits = models.build(config).apply({"params": params}, tokens)
-    >>> save_hf(params, config, "gpt2-again")              # transformers.AutoModelForCausalLM loads it
+    >>> import tempfile
+    >>> config, rng = models.ModelConfig.named("gpt2-tiny"), np.random.default_rng(0)   # a random GPT-2, saved
+    >>> params = {p: rng.normal(0, 0.02, s).astype(np.float32) for p, s in zinfjax_shapes(config).items()}
+    >>> gpt2_dir = tempfile.mkdtemp()                      # as Hugging Face saves one
+    >>> save_hf(params, config, gpt2_dir)
+    >>> sorted(os.listdir(gpt2_dir))                        # transformers.AutoModelForCausalLM loads it
+    ['config.json', 'model.safetensors']
+    >>> config, loaded = load_hf(gpt2_dir)                  # loaded["blocks"] leaves are (L, ...)
+    >>> q = loaded["blocks"]["q"]["kernel"]
+    >>> q.shape, bool((q == params["blocks/q/kernel"]).all())   # bit for bit
+    ((4, 64, 8, 8), True)
+    >>> logits = jax.jit(models.build(config).apply)({"params": loaded}, jnp.zeros((1, 8), jnp.int32))
+    >>> logits.shape
+    (1, 8, 256)
 """
 
 from __future__ import annotations
@@ -71,11 +82,21 @@ class HFCheckpoint:
     `UnexpectedTensorError` or `ShapeMismatchError` (each names the key or tensor) before
     any tensor is read.
 
-    Example:
-        >>> with HFCheckpoint("llama-dir") as ckpt:
-        ...     stores = make_stores(ckpt.config, ckpt.like)        # stacked shapes and dtypes
+    Example (a tensor at a time, into stores of the stacked shapes):
+        >>> import tempfile
+        >>> config, rng = models.ModelConfig.named("gpt2-tiny"), np.random.default_rng(0)   # a random GPT-2, saved
+        >>> params = {p: rng.normal(0, 0.02, s).astype(np.float32) for p, s in zinfjax_shapes(config).items()}
+        >>> gpt2_dir = tempfile.mkdtemp()                      # as Hugging Face saves one
+        >>> save_hf(params, config, gpt2_dir)
+        >>> from zinfjax.store import open_store
+        >>> with HFCheckpoint(gpt2_dir) as ckpt:               # the blocks' leaves, a layer at a time
+        ...     stores = {path: open_store("host", {"x": like}) for path, like in ckpt.like.items()
+        ...               if path.startswith("blocks/")}
         ...     for path, layer, array in ckpt.tensors():
-        ...         stores[path].write(layer, array)
+        ...         if path in stores:
+        ...             _ = stores[path].write(layer, {"x": array})
+        >>> stores["blocks/q/kernel"].read(3).result()["x"].shape
+        (64, 8, 8)
     """
 
     def __init__(self, directory: str):
@@ -86,9 +107,22 @@ class HFCheckpoint:
     def from_files(cls, name: str, config: ModelConfig, table: ArchTable, files: TensorFiles) -> HFCheckpoint:
         """Tensors named by ``table`` in ``files``, for a model given apart from them, checked whole as HF's are.
 
-        Example:
-            >>> files = StateDictFile("model.pt")                   # a torch state_dict
+        Example (a torch state_dict by Hugging Face's GPT-2 names):
+            >>> import tempfile
+            >>> config, rng = models.ModelConfig.named("gpt2-tiny"), np.random.default_rng(0)   # a random GPT-2, saved
+            >>> params = {p: rng.normal(0, 0.02, s).astype(np.float32) for p, s in zinfjax_shapes(config).items()}
+            >>> gpt2_dir = tempfile.mkdtemp()                      # as Hugging Face saves one
+            >>> save_hf(params, config, gpt2_dir)
+            >>> import torch
+            >>> from zinfjax_interop.files import StateDictFile
+            >>> from zinfjax_interop.tables import GPT2
+            >>> with TensorFiles.open(gpt2_dir) as hf:
+            ...     torch.save({n: torch.from_numpy(hf.get(n)) for n in hf.names()}, f"{gpt2_dir}/model.pt")
+            >>> files = StateDictFile(f"{gpt2_dir}/model.pt")
             >>> ckpt = HFCheckpoint.from_files("model.pt", ModelConfig.named("gpt2-tiny"), GPT2, files)
+            >>> ckpt.read("blocks/q/kernel", 3).shape
+            (64, 8, 8)
+            >>> ckpt.close()
         """
         self = cls.__new__(cls)
         self._open(name, config, table, files)
@@ -173,9 +207,17 @@ class HFCheckpoint:
 def load_hf(directory: str) -> tuple[ModelConfig, dict]:
     """Reads an HF checkpoint directory as a zinfjax `ModelConfig` and stacked params of numpy arrays.
 
-    Example:
-        >>> config, params = load_hf("MiniLM-dir")
-        >>> out = models.build(config).apply({"params": params}, BertInputs(ids, mask, types))
+    Example (a BERT, as all-MiniLM-L6-v2 is one; here a small random one, saved as Hugging Face saves one):
+        >>> import tempfile
+        >>> from zinfjax.models import BertInputs
+        >>> bert = ModelConfig("bert", vocab_size=100, max_seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+        >>> ids = jnp.array([[5, 6, 7, 0]]); mask = jnp.array([[1, 1, 1, 0]]); types = jnp.zeros_like(ids)
+        >>> init = jax.jit(models.build(bert).init)(jax.random.key(0), BertInputs(ids, mask, types))["params"]
+        >>> minilm_dir = tempfile.mkdtemp(); save_hf(init, bert, minilm_dir)
+        >>> config, params = load_hf(minilm_dir)
+        >>> out = jax.jit(models.build(config).apply)({"params": params}, BertInputs(ids, mask, types))
+        >>> out.hidden.shape, out.pooled.shape
+        ((1, 4, 32), (1, 32))
     """
     with HFCheckpoint(directory) as ckpt:
         flat = {p: np.empty(s.shape, s.dtype) for p, s in ckpt.like.items()}
@@ -191,8 +233,13 @@ def save_hf(params: Any, config: ModelConfig, directory: str) -> None:
     The values are moved, never changed: a checkpoint read by `load_hf` comes back bit for bit.
 
     Example:
-        >>> save_hf(params, config, "out/")
-        >>> transformers.AutoModelForCausalLM.from_pretrained("out/")
+        >>> import tempfile
+        >>> config, rng = models.ModelConfig.named("gpt2-tiny"), np.random.default_rng(0)   # a random GPT-2, saved
+        >>> params = {p: rng.normal(0, 0.02, s).astype(np.float32) for p, s in zinfjax_shapes(config).items()}
+        >>> gpt2_dir = tempfile.mkdtemp()                      # as Hugging Face saves one
+        >>> save_hf(params, config, gpt2_dir)
+        >>> json.load(open(f"{gpt2_dir}/config.json"))["architectures"]   # transformers.AutoModelForCausalLM loads it
+        ['GPT2LMHeadModel']
     """
     if config.arch not in BY_ARCH:
         raise UnknownArchitectureError(f"zinfjax cannot export arch {config.arch!r}; supported: {', '.join(BY_ARCH)}")
@@ -216,11 +263,14 @@ def write_hf(read: Callable[[str, int | None], np.ndarray], dtypes: dict[str, An
     A failure removes the shards already written.
 
     Returns:
-        ``tensors``, ``bytes`` and ``dtype`` (of the first tensor, as config.json records it).
+        ``tensors``, ``bytes``, ``dtype`` (of the first tensor, as config.json records it) and ``files``.
 
-    Example:
-        >>> with ZinfjaxCheckpoint("runs/ckpt") as src:
-        ...     write_hf(src.read, {p: s.dtype for p, s in src.like.items()}, src.config, "out/", "bfloat16")
+    Example (a tree in memory, in bf16; ``zinfjax convert --to hf`` reads a checkpoint's leaves so):
+        >>> import tempfile; config, rng = ModelConfig.named("gpt2-tiny"), np.random.default_rng(0)
+        >>> params = {p: rng.normal(0, 0.02, s).astype(np.float32) for p, s in zinfjax_shapes(config).items()}
+        >>> read = lambda path, layer: params[path] if layer is None else params[path][layer]
+        >>> write_hf(read, {p: a.dtype for p, a in params.items()}, config, tempfile.mkdtemp(), "bfloat16")
+        {'tensors': 52, 'bytes': 449280, 'dtype': 'bfloat16', 'files': 1}
     """
     stale = [f for f in (SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX) if os.path.exists(os.path.join(directory, f))]
     stale += sorted(os.path.basename(f) for f in glob.glob(os.path.join(directory, "model-*-of-*.safetensors")))
@@ -266,6 +316,7 @@ def hf_specs(config: ModelConfig, dtypes: dict[str, Any], dtype: Any = None) -> 
     A tensor's dtype is ``dtype``, or else that of its (first) zinfjax leaf in ``dtypes``.
 
     Example:
+        >>> dtypes = {path: np.float32 for path in zinfjax_shapes(ModelConfig.named("gpt2-tiny"))}
         >>> hf_specs(ModelConfig.named("gpt2-tiny"), dtypes)[0]
         ('transformer.wte.weight', dtype('float32'), (256, 64))
     """

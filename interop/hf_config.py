@@ -1,9 +1,11 @@
 """Hugging Face config.json (GPT2Config, LlamaConfig, BertConfig) to zinfjax `ModelConfig`, and back.
 
-Example:
-    >>> config = from_hf_config(json.load(open("gpt2/config.json")))
-    >>> to_hf_config(config)["n_embd"]
-    768
+Example (GPT-2's config.json, the keys that set the model):
+    >>> gpt2 = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12,
+    ...         "n_head": 12, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True}
+    >>> config = from_hf_config(gpt2)
+    >>> config == ModelConfig.named("gpt2-small"), to_hf_config(config)["n_embd"]
+    (True, 768)
 """
 
 from __future__ import annotations
@@ -41,8 +43,12 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     """The zinfjax `ModelConfig` of an HF config.json's contents.
 
     Example:
-        >>> from_hf_config({"model_type": "gpt2", "vocab_size": 50257, ...}).arch
+        >>> from_hf_config({"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768,
+        ...                 "n_layer": 12, "n_head": 12}).arch
         'gpt2'
+        >>> from_hf_config({"model_type": "t5"})
+        Traceback (most recent call last):
+        zinfjax_interop.errors.UnknownArchitectureError: config.json has model_type 't5', which zinfjax cannot ...
     """
     model_type = hf.get("model_type")
     if model_type not in TABLES:

@@ -17,9 +17,24 @@ lm_head.weight: null                                                 # tied to w
 ``{i}`` exactly on the block leaves) and returns an `ArchTable`, which `HFCheckpoint.from_files`
 follows as it follows the Hugging Face tables.
 
-Example:
-    >>> table = load_mapping("examples/mapping_nanogpt.yaml", ModelConfig.named("gpt2-tiny"))
-    >>> ckpt = HFCheckpoint.from_files("model.pt", model, table, StateDictFile("model.pt"))
+Example (a nanoGPT state_dict: Hugging Face's names, its projections nn.Linear):
+    >>> import numpy as np, tempfile, torch
+    >>> from zinfjax_interop.files import StateDictFile, TensorFiles
+    >>> from zinfjax_interop.hf import HFCheckpoint, save_hf
+    >>> model, rng = ModelConfig.named("gpt2-tiny"), np.random.default_rng(0)
+    >>> gpt2_dir = tempfile.mkdtemp()
+    >>> params = {p: rng.normal(0, 0.02, s).astype(np.float32) for p, s in zinfjax_shapes(model).items()}
+    >>> save_hf(params, model, gpt2_dir)
+    >>> linear = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    >>> with TensorFiles.open(gpt2_dir) as hf:              # Conv1D's (in, out) as nn.Linear's (out, in)
+    ...     state = {n: torch.from_numpy(hf.get(n).T.copy() if n.endswith(linear) else hf.get(n))
+    ...              for n in hf.names() if n != "lm_head.weight"}
+    >>> torch.save(state, f"{gpt2_dir}/model.pt")
+    >>> table = load_mapping("examples/mapping_nanogpt.yaml", model)
+    >>> ckpt = HFCheckpoint.from_files("model.pt", model, table, StateDictFile(f"{gpt2_dir}/model.pt"))
+    >>> ckpt.read("blocks/fc/kernel", 2).shape
+    (64, 256)
+    >>> ckpt.close()
 """
 
 from __future__ import annotations

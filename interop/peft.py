@@ -13,10 +13,27 @@ GPT-2 adapter is exported merged (`Merged`) or not at all.
 | `import_peft` | a zinfjax checkpoint ``DST/0`` of the adapter leaves alone, naming its base (`base_ref`) |
 | `Merged` | the base's leaves with ``W + (alpha / r) A B`` folded into each adapted kernel (``--to hf --merge``) |
 
-Example:
-    >>> with ZinfjaxCheckpoint("runs/lora") as src:
-    ...     write_peft(src, "out/adapter")          # PeftModel.from_pretrained(llama, "out/adapter")
-    >>> import_peft("out/adapter", "runs/lora-again", base="runs/llama", lr=3e-4)
+Example (a random llama-tiny as the base, and a fine-tune of its q and v adapters):
+    >>> import tempfile
+    >>> from zinfjax.checkpoint.writer import write_params
+    >>> from zinfjax_interop.convert import ZinfjaxCheckpoint
+    >>> from zinfjax_interop.hf import zinfjax_shapes
+    >>> llama, rng = ModelConfig.named("llama-tiny"), np.random.default_rng(0)
+    >>> lora = llama.replace(lora_rank=4, lora_targets=("q", "v"))
+    >>> weights = {p: rng.normal(0, 0.02, s).astype(np.float32) for p, s in zinfjax_shapes(llama).items()}
+    >>> adapters = {p: rng.normal(0, 0.02, s).astype(np.float32) for p, s in adapter_shapes(lora).items()}
+    >>> base = write_params(tempfile.mkdtemp(), traverse_util.unflatten_dict(weights, sep="/"), model=llama)
+    >>> tuned = write_params(tempfile.mkdtemp(), traverse_util.unflatten_dict({**weights, **adapters}, sep="/"),
+    ...                      model=lora)
+    >>> adapter_dir = tempfile.mkdtemp()
+    >>> with ZinfjaxCheckpoint(tuned) as src:
+    ...     _ = write_peft(src, adapter_dir)         # PeftModel.from_pretrained(llama, adapter_dir) loads it
+    >>> sorted(os.listdir(adapter_dir))
+    ['adapter_config.json', 'adapter_model.safetensors']
+    >>> again = import_peft(adapter_dir, tempfile.mkdtemp(), base=base, lr=3e-4)   # its adapters, naming the base
+    >>> with ZinfjaxCheckpoint(again["path"]) as ckpt:
+    ...     bool((ckpt.read("blocks/q_lora/a", 2) == adapters["blocks/q_lora/a"][2]).all())
+    True
 """
 
 from __future__ import annotations

@@ -48,9 +48,11 @@ def hf_shape(layout: Layout, zshape: tuple[int, ...], in_axes: int) -> tuple[int
 def to_zinfjax(layout: Layout, a: np.ndarray, zshape: tuple[int, ...]) -> np.ndarray:
     """An HF tensor (or one part of a fused one) in zinfjax's layout; values are moved, never changed.
 
-    Example:
-        >>> to_zinfjax(Layout.LINEAR, w, (64, 8, 16)).shape
-        (64, 8, 16)
+    Example (a q projection's nn.Linear weight, (out, in), as a zinfjax kernel (D, H, hd)):
+        >>> w = np.arange(128 * 64, dtype=np.float32).reshape(128, 64)
+        >>> kernel = to_zinfjax(Layout.LINEAR, w, (64, 8, 16))
+        >>> kernel.shape, kernel[3, 0, 5] == w[5, 3]
+        ((64, 8, 16), np.True_)
     """
     return (a.T if layout is Layout.LINEAR else a).reshape(zshape)
 
@@ -59,8 +61,10 @@ def to_hf(layout: Layout, a: np.ndarray, in_axes: int) -> np.ndarray:
     """A zinfjax leaf (one layer's) in the HF layout; the inverse of `to_zinfjax`.
 
     Example:
-        >>> to_hf(Layout.LINEAR, kernel, in_axes=1).shape   # kernel (64, 8, 16)
-        (128, 64)
+        >>> kernel = np.arange(64 * 8 * 16, dtype=np.float32).reshape(64, 8, 16)      # a q kernel (D, H, hd)
+        >>> w = to_hf(Layout.LINEAR, kernel, in_axes=1)
+        >>> w.shape, bool((to_zinfjax(Layout.LINEAR, w, kernel.shape) == kernel).all())
+        ((128, 64), True)
     """
     shape = hf_shape(layout, a.shape, in_axes)
     return a.reshape(shape[::-1]).T if layout is Layout.LINEAR else a.reshape(shape)
@@ -86,7 +90,9 @@ class Rule:
         when: ``"tied"`` or ``"untied"``: the rule holds only for such configs.
 
     Example:
-        >>> Rule("h.{i}.attn.c_proj.weight", "blocks/attn_out/kernel", Layout.CONV1D, in_axes=2)
+        >>> rule = Rule("h.{i}.attn.c_proj.weight", "blocks/attn_out/kernel", Layout.CONV1D, in_axes=2)
+        >>> rule.paths, hf_shape(rule.layout, (8, 8, 64), rule.in_axes)    # (H, hd, D) as Conv1D's (in, out)
+        (('blocks/attn_out/kernel',), (64, 64))
     """
 
     hf: str

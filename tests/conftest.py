@@ -1,6 +1,9 @@
 """Test setup: 8 simulated CPU devices and loud numerics, before JAX starts."""
 
+import importlib.abc
+import importlib.util
 import os
+import sys
 
 from tests.support.xla_flags import FAST_COMPILE
 
@@ -23,6 +26,23 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
+
+# The tests test this checkout: its interop/ is zinfjax_interop, whatever an install elsewhere maps that name to
+# (an editable install of another checkout of the repository, whose zinfjax this checkout's tests put second on
+# sys.path, would otherwise give them that checkout's interop/).
+_INTEROP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "interop")
+
+
+class _CheckoutInterop(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "zinfjax_interop":
+            return None
+        return importlib.util.spec_from_file_location(name, os.path.join(_INTEROP, "__init__.py"),
+                                                      submodule_search_locations=[_INTEROP])
+
+
+if "zinfjax_interop" not in sys.modules:
+    sys.meta_path.insert(0, _CheckoutInterop())
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_platforms", "cpu")

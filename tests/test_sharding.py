@@ -19,7 +19,8 @@ from zinfjax.sharding import ShardingRules, make_mesh, shard_shape
 from zinfjax.trainers.optimizers import make_optimizer
 from zinfjax.trainers.streaming import lm_program
 
-# The table, written out independently of zinfjax.sharding: what each stage shards over `data`.
+# ZeRO's stages as docs/sharding.md tables them, written out independently of zinfjax.sharding: what each stage
+# shards over `data`.
 STAGE_TABLE = {
     0: set(),
     1: {"opt", "master"},

@@ -2,11 +2,20 @@
 
 The public API is what ``__all__`` lists, documented in docs/api.md (a test holds the two together).
 
-Example:
-    >>> import zinfjax
-    >>> config = zinfjax.Config(stage=3, params="nvme", optimizer="nvme", nvme_path="/mnt/nvme/run1")
-    >>> state = zinfjax.wrap(train_state, config, loss_fn=loss_fn)
-    >>> state, metrics = state.train_step(batch)
+Example (a loss over three layers, a scan over their stacked weights; a Flax model: `zinfjax.wrap`):
+    >>> import jax, jax.numpy as jnp, optax, tempfile, zinfjax
+    >>> from flax.training import train_state
+    >>> def loss_fn(params, batch):
+    ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"])
+    ...     return jnp.mean(h ** 2)
+    >>> train = train_state.TrainState.create(apply_fn=None, params={"blocks": jnp.ones((3, 8, 8)) / 8},
+    ...                                       tx=optax.sgd(0.1))
+    >>> config = zinfjax.Config(params="nvme", optimizer="nvme", nvme_path=tempfile.mkdtemp())
+    >>> state = zinfjax.wrap(train, config, loss_fn=loss_fn)
+    >>> state, metrics = state.train_step(jnp.ones((8, 8)))
+    >>> metrics["step"], metrics["read_bytes_nvme"] > 0
+    (1, True)
+    >>> state.close()
 """
 
 from importlib.metadata import PackageNotFoundError, version

@@ -5,9 +5,9 @@ kept as given; the layers below it take its keys by concern as frozen sections (
 `Config.section`, `Config.engine_settings`), never the config itself.
 
 Example:
-    >>> cfg = Config.load("run.yaml", ["stage=3", "params=nvme", "nvme_path=/mnt/nvme/run1"])
-    >>> cfg.stage
-    3
+    >>> cfg = Config.load("examples/demo.yaml", ["stage=3", "params=nvme", "nvme_path=/mnt/nvme/run1"])
+    >>> cfg.stage, cfg.params, cfg.model
+    (3, 'nvme', 'gpt2-mini')
 """
 
 from __future__ import annotations
@@ -43,7 +43,12 @@ class Config:
     """Everything a zinfjax run is built from, as the user gave it; its keys by concern are `zinfjax.sections`.
 
     Example:
-        >>> Config(stage=3, params="nvme", optimizer="nvme", nvme_path="/mnt/nvme/run1")
+        >>> config = Config(stage=3, params="nvme", optimizer="nvme", nvme_path="/mnt/nvme/run1")
+        >>> config.uses_nvme, config.replace(params="host").params
+        (True, 'host')
+        >>> Config(stage=4)
+        Traceback (most recent call last):
+        zinfjax.errors.ConfigError: stage=4 is not allowed; use 0, 1, 2 or 3
     """
 
     # ZeRO

@@ -25,12 +25,12 @@ A leaf stays replicated over ``data`` when it has fewer than ``threshold`` eleme
 DeepSpeed's ``param_persistence_threshold`` keeps small parameters whole), or when none of
 its dimensions free of the ``model`` axis divides by the ``data`` size.
 
-Example:
+Example (8 devices; on a CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=8``):
     >>> from zinfjax.models import gpt
     >>> mesh = make_mesh({"data": 4, "model": 2})
     >>> rules = ShardingRules.for_mesh(mesh, stage=3, tp=gpt.PARTITION_RULES)
     >>> rules.spec("params", "blocks/fc/kernel", (64, 256))
-    PartitionSpec('data', 'model')
+    P('data', 'model')
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def make_mesh(axes: dict[str, int], devices: list | None = None) -> Mesh:
     """A ``("data", "model")`` mesh; an axis of -1 takes every remaining device.
 
     Example:
-        >>> make_mesh({"data": 4, "model": 2}).shape
-        {'data': 4, 'model': 2}
+        >>> dict(make_mesh({"data": 4, "model": 2}).shape), dict(make_mesh({"data": -1}).shape)   # of 8 devices
+        ({'data': 4, 'model': 2}, {'data': 8, 'model': 1})
     """
     devices = list(devices if devices is not None else jax.devices())
     sizes = {"data": axes.get("data", 1), "model": axes.get("model", 1)}
@@ -155,7 +155,7 @@ class ShardingRules:
 
     Example:
         >>> ShardingRules(stage=2, data=8).spec("grads", "blocks/fc/kernel", (64, 256))
-        PartitionSpec(None, 'data')
+        P(None, 'data')
     """
 
     stage: int = 0

@@ -6,19 +6,50 @@ give the loss you would pass to ``jax.grad`` in your own loop. zinfjax cuts it a
 in-memory optax loop would.
 
 Example:
-    >>> state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(3e-4))
-    >>> def loss_fn(params, batch):
-    ...     logits = state.apply_fn({"params": params}, batch["image"])
-    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-    >>> state = zinfjax.wrap(state, zinfjax.Config(params="nvme", optimizer="nvme", nvme_path="/mnt/nvme/run1"),
-    ...                      loss_fn=loss_fn)
-    >>> for batch in batches:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, optax, tempfile, zinfjax
+    >>> from flax.training import train_state
+    >>> class Block(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, h, _):
+    ...         return jnp.tanh(nn.Dense(8)(h)), None
+    >>> class Model(nn.Module):                     # four blocks: one nn.scan over stacked parameters
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         h, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)()(x, None)
+    ...         return nn.Dense(1)(h)[:, 0]
+    >>> model, batch = Model(), {"x": jnp.ones((8, 8)), "y": jnp.zeros(8)}
+    >>> params = model.init(jax.random.key(0), batch["x"])["params"]
+    >>> state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-2))
+    >>> def loss_fn(params, batch):                 # what you would pass to jax.grad
+    ...     return jnp.mean((model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+    >>> config = zinfjax.Config(params="nvme", optimizer="nvme", nvme_path=tempfile.mkdtemp())
+    >>> state = zinfjax.wrap(state, config, loss_fn=loss_fn)
+    >>> for _ in range(2):
     ...     state, metrics = state.train_step(batch)
+    >>> metrics["step"], metrics["read_bytes_nvme"] > 0
+    (2, True)
+    >>> state.close()
+
+A model too large for memory starts from abstract parameters and an initialiser, and is never whole in memory: each
+layer is initialised straight into its tier (``init_fn``):
+
+    >>> def loss_fn(params, batch):                 # three layers: a scan over their stacked weights
+    ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"])
+    ...     return jnp.mean(h ** 2)
+    >>> init_fn = lambda rng: {"blocks": jax.random.normal(rng, (3, 8, 8)) / 8}
+    >>> abstract = jax.eval_shape(init_fn, jax.random.key(0))
+    >>> state = train_state.TrainState.create(apply_fn=None, params=abstract, tx=optax.adam(1e-3))
+    >>> state = zinfjax.wrap(state, config, loss_fn=loss_fn, init_fn=init_fn)
+    >>> state, metrics = state.train_step(jnp.ones((8, 8)))
+    >>> state.read_params()["blocks"].shape
+    (3, 8, 8)
+    >>> state.close()
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import jax
@@ -90,6 +121,30 @@ class WrappedState:
         """The current optax state of the whole tree, read back from its tier into memory."""
         return self.engine.opt_state()
 
+    # A Flax ``TrainState`` has ``params`` and ``opt_state`` attributes, and this state had them as properties until
+    # they became `read_params` and `read_opt_state`: a name that reads the whole model back from its tiers should
+    # say so. The old names still work, and say once per process what to call instead: a FutureWarning, which Python
+    # shows by default wherever the call is (a DeprecationWarning is shown only for code run as ``__main__``).
+    _warned: set[str] = set()
+
+    def _renamed(self, old: str, new: str) -> None:
+        if old not in WrappedState._warned:
+            WrappedState._warned.add(old)
+            warnings.warn(f"WrappedState.{old} is deprecated and will be removed: call state.{new}() instead (it "
+                          "reads the whole tree back from its tiers into memory)", FutureWarning, stacklevel=3)
+
+    @property
+    def params(self):
+        """Deprecated: `read_params` (this warns once, then returns ``read_params()``)."""
+        self._renamed("params", "read_params")
+        return self.read_params()
+
+    @property
+    def opt_state(self):
+        """Deprecated: `read_opt_state` (this warns once, then returns ``read_opt_state()``)."""
+        self._renamed("opt_state", "read_opt_state")
+        return self.read_opt_state()
+
     def sync(self):
         """Writes the current parameters back into the wrapped NNX model (no-op for Linen); returns them."""
         params = self.read_params()
@@ -131,11 +186,10 @@ def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=
         trainable: ``trainable(path, leaf) -> bool`` (``path``: ``"blocks/q_lora/a"``): train these alone, the rest
             frozen (docs/engine.md, "Frozen parameters"); the optimizer starts afresh, so wrap a state at step 0.
 
-    Example:
-        >>> state = zinfjax.wrap(state, zinfjax.Config(params="nvme", optimizer="nvme", nvme_path="/nv"),
-        ...                      loss_fn=loss_fn)
-        >>> state, metrics = state.train_step(batch)
-        >>> big = zinfjax.wrap(abstract_state, config, loss_fn=loss_fn, init_fn=init_fn)   # never whole
+    Example (the module docstring wraps and trains a Linen model, and one from abstract parameters):
+        >>> wrap(object(), Config())
+        Traceback (most recent call last):
+        zinfjax.wrap.WrapError: zinfjax.wrap takes a flax TrainState or an nnx.Optimizer; object has no 'params'
     """
     mesh = mesh if mesh is not None else make_mesh(config.mesh_axes())
     if _is_nnx_optimizer(state):
@@ -143,10 +197,7 @@ def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=
             raise WrapError("an nnx.Optimizer says what trains with its wrt filter (nnx.Optimizer(model, tx, "
                             "wrt=nnx.LoRAParam)); trainable= is for a Linen TrainState")
         return _wrap_nnx(state, config, loss_fn, mesh, model, restore, batch, partition_rules)
-    for attr in ("params", "tx"):
-        if not hasattr(state, attr):
-            raise WrapError(f"zinfjax.wrap takes a flax TrainState or an nnx.Optimizer; {type(state).__name__} has no "
-                            f"{attr!r}")
+    _check_train_state(state)
     if loss_fn is None:
         loss_fn, init_fn, batch, partition_rules = _own_lm(state, config, init_fn, batch, partition_rules)
     abstract = _is_abstract(state.params)
@@ -169,6 +220,15 @@ def wrap(state, config: Config, loss_fn=None, *, init_fn=None, mesh=None, model=
     build = _builder(loss_fn, state.params, tx, config, mesh, partition_rules, source_for)
     engine = build(batch) if batch is not None else None
     return WrappedState(build, config, engine.step_count if engine is not None else step, engine=engine)
+
+
+def _check_train_state(state) -> None:
+    if isinstance(state, WrappedState):
+        raise WrapError("this state is wrapped already: train it with its own train_step")
+    for attr in ("params", "tx"):
+        if not hasattr(state, attr):
+            raise WrapError(f"zinfjax.wrap takes a flax TrainState or an nnx.Optimizer; {type(state).__name__} has no "
+                            f"{attr!r}")
 
 
 def _own_lm(state, config: Config, init_fn, batch, partition_rules):

@@ -80,7 +80,7 @@ def test_a_model_without_the_convention_is_refused_with_a_pointer_to_the_docs():
     class Plain:
         pass
 
-    with pytest.raises(LayeredConventionError, match="layers\\(\\).*docs/layered.md"):
+    with pytest.raises(LayeredConventionError, match="layers\\(\\).*docstring of zinfjax.models.layered"):
         get_layers(Plain())
     with pytest.raises(LayeredConventionError, match="groups"):
         check_params({"embed": {}, "layers": {}})

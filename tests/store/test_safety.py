@@ -132,14 +132,19 @@ def test_lock_held_by_another_process(tmp_path):
 
 
 def test_stale_lock_of_a_dead_process_is_reclaimed(tmp_path):
-    open_store("nvme", _like(), path=str(tmp_path)).close()
+    with open_store("nvme", _like(), path=str(tmp_path)) as store:
+        for i in range(L):
+            store.write(i, _layer(i + 1))
+        store.flush()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     import socket
 
     (tmp_path / "params" / ".lock").write_text(f'{{"pid": {dead.pid}, "hostname": "{socket.gethostname()}"}}')
-    with open_store("nvme", _like(), path=str(tmp_path)) as store:
-        assert store.read(0) is not None
+    with open_store("nvme", _like(), path=str(tmp_path)) as store:  # the lock reclaimed, the layers still there
+        for i in range(L):
+            np.testing.assert_array_equal(np.asarray(store.read(i).result()["blocks"]["w"]),
+                                          _layer(i + 1)["blocks"]["w"])
 
 
 def test_unwritable_path_is_refused_before_writing(tmp_path):

@@ -7,7 +7,7 @@ limit less a margin), batch 1 x 64:
 - short form (``make test``): 2 layers of d_model 1024 and d_ff 32768, one block of 285 MB of fp32
   weights and 1.1 GB with Adam's moments, in a 1 GiB cgroup. Untiled it is refused in one line;
   ``tiles=auto`` picks tiles and trains;
-- the issue's model (``wide``): examples/models/layer-larger-than-memory.yaml, one block of 2.4 GB of
+- the full-size model (``wide``): examples/models/layer-larger-than-memory.yaml, one block of 2.4 GB of
   fp32 weights in a 2 GiB cgroup, fp32 and bf16, 3 steps.
 
 Each trains with finite losses, no OOM kill, and a peak RSS below the cgroup's limit.
@@ -62,7 +62,7 @@ def test_a_block_larger_than_its_cgroup_is_refused_untiled_and_trains_in_tiles(t
 
 @pytest.mark.wide
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_issues_model_one_block_of_2_4_GB_trains_in_a_2_GiB_cgroup(tmp_path, precision):
+def test_the_full_size_model_one_block_of_2_4_GB_trains_in_a_2_GiB_cgroup(tmp_path, precision):
     limit = 2 << 30
     log = _assert_trained(_train(LARGE, limit, tmp_path, 3, f"precision={precision}"), limit, 3)
     assert log["largest_operation_bytes"] < 2.4e9 / 8

@@ -1,10 +1,17 @@
 """Runs in a memory cgroup (v1), and ``zinfjax train`` in one: what the memory benchmarks measure.
 
-Example:
+Example (as root, with cgroup v1's memory controller at /sys/fs/cgroup/memory):
     >>> with MemoryCgroup(2 << 30) as cg:
-    ...     subprocess.run(cg.command([sys.executable, "child.py"]))
-    ...     cg.max_usage_bytes()
-    >>> result = train_in_cgroup(["model=gpt2-small", "steps=5", "params=nvme", ...], 1 << 30, "runs/mem")
+    ...     child = subprocess.run(cg.command([sys.executable, "-c", "b = bytearray(64 << 20)"]))
+    ...     cg.max_usage_bytes() > 64 << 20, cg.oom_kills()
+    (True, 0)
+
+`train_in_cgroup` runs ``zinfjax train`` so (it drops the machine's page cache first, so that the run is charged for
+what it reads, and trains for a minute or more):
+
+    >>> sets = ["model=gpt2-small", "steps=5", "params=nvme", "nvme_path=/mnt/nvme/mem"]
+    >>> train_in_cgroup(sets, 1 << 30, "runs/mem")["oom_kills"]  # doctest: +SKIP
+    0
 """
 
 from __future__ import annotations

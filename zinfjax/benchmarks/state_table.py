@@ -32,6 +32,14 @@ def memory_table(model_name: str = "gpt2-small", devices: int = 8, threshold: in
 
     Example:
         >>> print(memory_table("gpt2-small", 8, precision="bf16"))
+        gpt2-small: Ψ = 124,439,808 parameters, 8 devices on `data`, bf16 Adam (p=2, g=4, K=12), threshold 1024 elements
+        <BLANKLINE>
+        | stage | params MiB | grads MiB | optimizer MiB | total MiB | formula MiB | total / formula |
+        |---|---|---|---|---|---|---|
+        | 0 | 237.4 | 474.7 | 1424.1 | 2136.2 | 2136.2 | 1.0000 |
+        | 1 | 237.4 | 474.7 | 178.9 | 890.9 | 890.1 | 1.0010 |
+        | 2 | 237.4 | 59.6 | 178.9 | 475.8 | 474.7 | 1.0024 |
+        | 3 | 29.8 | 59.6 | 178.9 | 268.3 | 267.0 | 1.0048 |
     """
     abstract = abstract_params(model_name)
     psi = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))

@@ -3,9 +3,24 @@
 See docs/checkpoint.md.
 
 Example:
-    >>> manager = CheckpointManager("runs/ckpt", keep=3)
+    >>> import jax, jax.numpy as jnp, optax, tempfile, zinfjax
+    >>> from flax.training import train_state
+    >>> def loss_fn(params, batch):                            # three layers: a scan over their stacked weights
+    ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"])
+    ...     return jnp.mean(h ** 2)
+    >>> train = train_state.TrainState.create(apply_fn=None, params={"blocks": jnp.ones((3, 8, 8)) / 8},
+    ...                                       tx=optax.adam(1e-3))
+    >>> state = zinfjax.wrap(train, zinfjax.Config(params="nvme", nvme_path=tempfile.mkdtemp()), loss_fn=loss_fn)
+    >>> state, metrics = state.train_step(jnp.ones((8, 8)))
+    >>> manager = CheckpointManager(tempfile.mkdtemp(), keep=3)
     >>> manager.save(state)                                   # async; training goes on
-    >>> state = zinfjax.wrap(train_state, other_config, restore="runs/ckpt")   # any mesh, stage, tiers
+    1
+    >>> manager.close(); state.close()
+    >>> state = zinfjax.wrap(train, zinfjax.Config(params="host"), loss_fn=loss_fn, restore=manager.directory)
+    >>> state, metrics = state.train_step(jnp.ones((8, 8)))  # any mesh, stage, tiers: step 2 of the same run
+    >>> metrics["step"]
+    2
+    >>> state.close()
 """
 
 from zinfjax.checkpoint.errors import (

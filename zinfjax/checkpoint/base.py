@@ -8,11 +8,21 @@ per chunk, not the weights, and changes whenever any weight does. A resume, an e
 from such a checkpoint checks it (`check_base`) and refuses a base that changed since.
 
 Example:
-    >>> ref = base_ref("runs/llama-converted")
+    >>> import numpy as np, tempfile
+    >>> from zinfjax.checkpoint.writer import write_params
+    >>> base = write_params(tempfile.mkdtemp(), {"blocks": {"w": np.ones((3, 4, 4), np.float32)}})
+    >>> ref = base_ref(base)
     >>> ref["digest"]
-    'b2:5f0c7a...'
-    >>> check_base(ref, "runs/lora/20")          # the base as it was: its directory
-    '/work/runs/llama-converted/0'
+    'b2:...'
+    >>> check_base(ref, "runs/lora/20") == base  # the base as it was: its directory
+    True
+    >>> other = write_params(tempfile.mkdtemp(), {"blocks": {"w": np.zeros((3, 4, 4), np.float32)}})
+    >>> digest(other) == ref["digest"]           # other weights, another digest
+    False
+    >>> import shutil; shutil.rmtree(base)
+    >>> check_base(ref, "runs/lora/20")
+    Traceback (most recent call last):
+    zinfjax.checkpoint.base.BaseChangedError: runs/lora/20 was trained on the base ..., which is gone; ...
 """
 
 from __future__ import annotations

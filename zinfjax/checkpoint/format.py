@@ -16,7 +16,12 @@ nvme tier's own chunk encoding (docs/store.md), so the chunk files of a working 
 filesystem become checkpoint files by a hard link. Any zarr3 reader checks the crc32c; plain
 orbax restores ``params`` without zinfjax:
 
-    >>> ocp.PyTreeCheckpointer().restore(f"{save_dir}/{step}/params")   # numpy arrays
+    >>> import numpy as np, orbax.checkpoint as ocp, tempfile
+    >>> from zinfjax.checkpoint.writer import write_params
+    >>> path = write_params(tempfile.mkdtemp(), {"blocks": {"w": np.ones((3, 4, 4), np.float32)}}, step=7)
+    >>> w = ocp.PyTreeCheckpointer().restore(f"{path}/params")["blocks"]["w"]
+    >>> type(w).__name__, w.shape
+    ('ndarray', (3, 4, 4))
 """
 
 from __future__ import annotations
@@ -48,8 +53,14 @@ def complete_steps(save_dir: str) -> list[int]:
     name and renamed), so a directory named by a number that holds ``zinfjax.json`` is one.
 
     Example:
-        >>> complete_steps("runs/demo/ckpt")
-        [50, 100]
+        >>> import numpy as np, tempfile
+        >>> from zinfjax.checkpoint.writer import write_params
+        >>> save_dir = tempfile.mkdtemp()
+        >>> for step in (50, 100):
+        ...     path = write_params(save_dir, {"w": np.ones(4, np.float32)}, step=step)
+        >>> os.makedirs(f"{save_dir}/150")        # a step directory without its zinfjax.json
+        >>> complete_steps(save_dir), step_names(save_dir)
+        ([50, 100], [50, 100, 150])
     """
     return [s for s in step_names(save_dir) if os.path.isfile(os.path.join(step_dir(save_dir, s), META))]
 
@@ -128,7 +139,11 @@ def step_names(save_dir: str) -> list[int]:
     """Every step directory in ``save_dir``, complete or not (a checkpoint is complete once renamed to its step).
 
     Example:
-        >>> step_names("runs/demo/ckpt")
+        >>> import tempfile
+        >>> save_dir = tempfile.mkdtemp()
+        >>> for name in ("100", "50", ".tmp-150", "notes"):
+        ...     os.makedirs(f"{save_dir}/{name}")
+        >>> step_names(save_dir)
         [50, 100]
     """
     try:

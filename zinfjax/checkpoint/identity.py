@@ -10,8 +10,17 @@ A checkpoint without a run id (one written by ``zinfjax convert``) is a starting
 resuming from it checks only the model, and the first save makes the new run's id.
 
 Example:
-    >>> check_fresh(Config(save_dir="runs/ckpt"))     # runs/ckpt holds steps 2, 4, 6
-    SaveDirInUseError: save_dir runs/ckpt holds the checkpoints of another run (steps 2, 4, 6; ...): ...
+    >>> import numpy as np, tempfile
+    >>> from zinfjax import Config
+    >>> from zinfjax.checkpoint.writer import write_params
+    >>> save_dir = tempfile.mkdtemp()
+    >>> for step in (2, 4, 6):
+    ...     path = write_params(save_dir, {"w": np.ones(4, np.float32)}, step=step)
+    >>> check_fresh(Config(save_dir=save_dir))
+    Traceback (most recent call last):
+    zinfjax.checkpoint.identity.SaveDirInUseError: save_dir ... holds ... another run (steps 2, 4, 6); ...
+    >>> check_fresh(Config(save_dir=save_dir, overwrite=True))
+    'overwrite=true: moved the checkpoints of the previous run (steps 2, 4, 6) aside to .../.replaced-...'
 """
 
 from __future__ import annotations

@@ -28,7 +28,22 @@ def info_text(path: str, as_json: bool = False) -> str:
     """The steps of a save_dir, then the newest checkpoint's leaves, bytes per tier and config.
 
     Example:
-        >>> print(info_text("runs/demo/ckpt"))
+        >>> import numpy as np, tempfile
+        >>> from zinfjax import Config
+        >>> from zinfjax.checkpoint.writer import write_params
+        >>> save_dir = tempfile.mkdtemp()
+        >>> for step in (50, 100):
+        ...     path = write_params(save_dir, {"blocks": {"w": np.ones((3, 4, 4), np.float32)}}, step=step,
+        ...                         config=Config(lr=1e-3))
+        >>> print(info_text(save_dir))
+        checkpoint directory: ...
+        steps: 50, 100
+        newest: .../100 (step 100, data position 0, saved ... by 1 process(es) on 0 device(s))
+        bytes per tier when saved: converted 192 B (params, opt_state)
+        params: 1 leaves, 192 B
+          blocks.w                                 float32   (3, 4, 4)
+        opt_state: 0 leaves, 0 B
+        config: stage=0, params=device, ..., lr=0.001, ...
     """
     newest = latest_checkpoint(path)
     meta = fmt.read_meta(newest)
@@ -59,9 +74,17 @@ def verify_text(path: str) -> tuple[str, bool]:
     """Every checkpoint of a save_dir (or the one ``path`` names) checked, one line each; and whether all are complete.
 
     Example:
-        >>> print(verify_text("runs/demo/ckpt")[0])
+        >>> import numpy as np, tempfile
+        >>> from zinfjax.checkpoint.writer import write_params
+        >>> save_dir = tempfile.mkdtemp()
+        >>> for step in (4, 6):
+        ...     path = write_params(save_dir, {"blocks": {"fc": {"kernel": np.ones((3, 4, 4), np.float32)}}}, step=step)
+        >>> with open(f"{path}/params/blocks.fc.kernel/c/2/0/0", "r+b") as chunk:   # a bit flips in step 6's layer 2
+        ...     _ = chunk.write(bytes([1]))
+        >>> print(verify_text(save_dir)[0])
         step 4: complete
         step 6: corrupt (params/blocks.fc.kernel: chunk c/2/0/0: crc32c mismatch)
+        1 of 2 complete; the newest complete is step 4
     """
     path = os.path.abspath(path)
     if os.path.isfile(os.path.join(path, fmt.META)) or not os.path.isdir(path):
@@ -90,8 +113,14 @@ def export_params(path: str, out: str, dtype: str | None = None) -> dict:
     One layer at a time, so memory stays at one layer whatever the model's size.
 
     Example:
-        >>> export_params("runs/demo/ckpt", "runs/demo/params-bf16", "bf16")
-        >>> ocp.PyTreeCheckpointer().restore("runs/demo/params-bf16")
+        >>> import numpy as np, orbax.checkpoint as ocp, tempfile
+        >>> from zinfjax.checkpoint.writer import write_params
+        >>> path = write_params(tempfile.mkdtemp(), {"blocks": {"w": np.ones((3, 4, 4), np.float32)}})
+        >>> out = f"{tempfile.mkdtemp()}/params-bf16"
+        >>> export_params(path, out, "bf16")
+        {'source': '...', 'dtype': 'bfloat16', 'leaves': 1, 'bytes': 96}
+        >>> ocp.PyTreeCheckpointer().restore(out)["blocks"]["w"].dtype
+        dtype(bfloat16)
     """
     src = latest_checkpoint(path)
     meta = fmt.read_meta(src)

@@ -41,10 +41,23 @@ class CheckpointManager:
     """Saves and finds the checkpoints of one run under ``directory``, keeping the newest ``keep``.
 
     Example:
-        >>> manager = CheckpointManager("runs/ckpt", keep=3)
-        >>> manager.save(state, data_position=step)    # returns at once; training goes on
-        >>> manager.wait()                             # raises CheckpointSaveError if it failed
-        >>> state = zinfjax.wrap(train_state, config, restore="runs/ckpt")   # later, any mesh or tiers
+        >>> import jax, jax.numpy as jnp, optax, tempfile, zinfjax
+        >>> from flax.training import train_state
+        >>> def loss_fn(params, batch):                     # three layers: a scan over their stacked weights
+        ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"])
+        ...     return jnp.mean(h ** 2)
+        >>> train = train_state.TrainState.create(apply_fn=None, params={"blocks": jnp.ones((3, 8, 8)) / 8},
+        ...                                       tx=optax.adam(1e-3))
+        >>> state = zinfjax.wrap(train, zinfjax.Config(params="nvme", nvme_path=tempfile.mkdtemp()), loss_fn=loss_fn)
+        >>> manager = CheckpointManager(tempfile.mkdtemp(), keep=2)
+        >>> for step in range(1, 4):
+        ...     state, metrics = state.train_step(jnp.ones((8, 8)))
+        ...     _ = manager.save(state, data_position=step)  # returns at once; training goes on
+        >>> manager.wait()                                    # raises CheckpointSaveError if it failed
+        >>> manager.steps()                                   # the newest two
+        [2, 3]
+        >>> manager.close(); state.close()
+        >>> later = zinfjax.wrap(train, zinfjax.Config(), loss_fn=loss_fn, restore=manager.directory)  # any tiers
     """
 
     def __init__(self, directory: str, keep: int = 3, config=None, model=None, run_id: str | None = None):
@@ -229,8 +242,13 @@ def latest_checkpoint(path: str) -> str:
     """``path`` itself if it is one checkpoint, else the newest complete checkpoint under it.
 
     Example:
-        >>> latest_checkpoint("runs/ckpt")
-        '/work/runs/ckpt/100'
+        >>> import numpy as np, tempfile
+        >>> from zinfjax.checkpoint.writer import write_params
+        >>> save_dir = tempfile.mkdtemp()
+        >>> for step in (50, 100):
+        ...     path = write_params(save_dir, {"w": np.ones(4, np.float32)}, step=step)
+        >>> latest_checkpoint(save_dir) == f"{save_dir}/100", latest_checkpoint(f"{save_dir}/50") == f"{save_dir}/50"
+        (True, True)
     """
     path = os.path.abspath(path)
     if os.path.isfile(os.path.join(path, fmt.META)):

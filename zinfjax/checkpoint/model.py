@@ -14,8 +14,16 @@ def checkpoint_model(path: str) -> tuple[str, ModelConfig]:
     """The checkpoint directory ``path`` names and the model it was saved with.
 
     Example:
-        >>> checkpoint_model("runs/demo/ckpt")[1].arch
-        'gpt2'
+        >>> import jax, jax.numpy as jnp, tempfile
+        >>> from zinfjax.checkpoint.writer import write_params
+        >>> from zinfjax.models import build
+        >>> model = ModelConfig.named("gpt2-tiny")
+        >>> params = jax.jit(build(model).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        >>> save_dir = tempfile.mkdtemp()
+        >>> path = write_params(save_dir, params, step=100, model=model)
+        >>> directory, recorded = checkpoint_model(save_dir)
+        >>> directory == path, recorded.arch, recorded == model
+        (True, 'gpt2', True)
     """
     directory = latest_checkpoint(path)
     meta = fmt.read_meta(directory)
@@ -35,8 +43,12 @@ def resolve_model(spec: str) -> ModelConfig:
     Example:
         >>> resolve_model("gpt2-tiny").n_layers
         4
-        >>> resolve_model("runs/gpt2").vocab_size      # a checkpoint written by `zinfjax convert`
-        50257
+        >>> import numpy as np, tempfile
+        >>> from zinfjax.checkpoint.writer import write_params
+        >>> save_dir = tempfile.mkdtemp()         # a checkpoint that records its model, as `zinfjax convert` writes
+        >>> path = write_params(save_dir, {"w": np.ones(4, np.float32)}, model=ModelConfig.named("llama-tiny"))
+        >>> resolve_model(save_dir).arch
+        'llama'
     """
     if os.path.isdir(spec):
         return checkpoint_model(spec)[1]

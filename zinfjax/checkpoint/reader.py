@@ -7,9 +7,15 @@ read through tensorstore, which assembles the layer from its chunks. Both check 
 crc32c.
 
 Example:
-    >>> reader = LeafReader("runs/ckpt/10", fmt.read_meta("runs/ckpt/10")["items"])
-    >>> reader.read("params", "blocks.fc.kernel", 3).shape
-    (512, 2048)
+    >>> import numpy as np, tempfile
+    >>> from zinfjax.checkpoint import format as fmt
+    >>> from zinfjax.checkpoint.writer import write_params
+    >>> kernel = np.arange(4 * 8 * 16, dtype=np.float32).reshape(4, 8, 16)      # 4 layers of (8, 16)
+    >>> path = write_params(tempfile.mkdtemp(), {"blocks": {"fc": {"kernel": kernel}}}, step=10)
+    >>> reader = LeafReader(path, fmt.read_meta(path)["items"])
+    >>> layer = reader.read("params", "blocks.fc.kernel", 3)
+    >>> layer.shape, bool((layer == kernel[3]).all())
+    ((8, 16), True)
 """
 
 from __future__ import annotations

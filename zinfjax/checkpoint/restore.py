@@ -12,10 +12,24 @@ the optimizer state, the step and the data position to start afresh; leaves the 
 LoRA adapters) come from ``fallback``, the run's own initialiser.
 
 Example:
-    >>> source = CheckpointSource("runs/ckpt", program, plan)
-    >>> engine = Engine(program, source, tx, config.engine_settings(), mesh)
-    >>> engine.step_count == source.step
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, tempfile
+    >>> from zinfjax import Config
+    >>> from zinfjax.checkpoint.writer import write_params
+    >>> from zinfjax.engine import Engine, update_plan
+    >>> from zinfjax.program import program_for
+    >>> from zinfjax.sharding import make_mesh
+    >>> def loss_fn(params, batch):                         # three layers: a scan over their stacked weights
+    ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"]["w"])
+    ...     return jnp.mean(h ** 2)
+    >>> params, tx = {"blocks": {"w": np.ones((3, 8, 8), np.float32) / 8}}, optax.adam(1e-3)
+    >>> save_dir = tempfile.mkdtemp()
+    >>> path = write_params(save_dir, params, tx, step=5)   # step 5: the parameters and a fresh Adam state
+    >>> program = program_for(loss_fn, params, jnp.ones((8, 8)))
+    >>> source = CheckpointSource(save_dir, program, update_plan(tx, program))
+    >>> engine = Engine(program, source, tx, Config(params="host").engine_settings(), make_mesh({"data": 1}))
+    >>> engine.step_count == source.step == 5
     True
+    >>> engine.close()
 """
 
 from __future__ import annotations

@@ -10,7 +10,18 @@ Steps newer than the one resumed from (the skipped ones, or those after ``STEP``
 and pruning must never weigh another branch's checkpoints against this run's.
 
 Example:
-    >>> start = choose_start(Config(save_dir="runs/ckpt", resume=True), model_config)
+    >>> import numpy as np, tempfile
+    >>> from zinfjax import Config
+    >>> from zinfjax.checkpoint.writer import write_params
+    >>> from zinfjax.models import ModelConfig
+    >>> model, save_dir = ModelConfig.named("gpt2-tiny"), tempfile.mkdtemp()
+    >>> config = Config(save_dir=save_dir, resume=True)
+    >>> for step in (4, 6):
+    ...     path = write_params(save_dir, {"blocks": {"fc": {"kernel": np.ones((3, 4, 4), np.float32)}}}, step=step,
+    ...                         config=config, model=model)
+    >>> with open(f"{path}/params/blocks.fc.kernel/c/2/0/0", "r+b") as chunk:   # a bit flips in step 6's layer 2
+    ...     _ = chunk.write(bytes([1]))
+    >>> start = choose_start(config, model)
     >>> start.step, start.notes
     (4, ['skipped step 6: corrupt (params/blocks.fc.kernel: chunk c/2/0/0: crc32c mismatch)', ...])
 """

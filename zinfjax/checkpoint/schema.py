@@ -5,8 +5,14 @@ Every reader (``ckpt info``, resuming, inference, conversion) gets its metadata 
 a value of the wrong type later, deep inside a restore.
 
 Example:
+    >>> import numpy as np, tempfile
+    >>> from zinfjax.checkpoint import format as fmt
+    >>> from zinfjax.checkpoint.writer import write_params
+    >>> path = write_params(tempfile.mkdtemp(), {"w": np.ones(4, np.float32)}, step=3)
+    >>> meta = fmt.read_meta(path)                     # checked here on its way in
     >>> check_meta({**meta, "step": -1}, "runs/ckpt/3/zinfjax.json")
-    CheckpointCorruptError: runs/ckpt/3/zinfjax.json is damaged: at step: -1 is less than the minimum of 0; ...
+    Traceback (most recent call last):
+    zinfjax.checkpoint.errors.CheckpointCorruptError: runs/ckpt/3/zinfjax.json is damaged: at step: -1 is less than ...
 """
 
 from __future__ import annotations

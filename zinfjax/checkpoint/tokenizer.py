@@ -13,8 +13,18 @@ A model directory of a larger vocabulary with none found is refused, and so is a
 than the model's vocabulary.
 
 Example:
-    >>> model_tokenizer(None, "runs/lora", 50257).name    # adapters trained on a converted GPT-2
-    '/work/runs/gpt2/tokenizer'
+    >>> model_tokenizer(None, "gpt2-tiny", 256).name      # a model made from a config: bytes
+    'bytes'
+    >>> import numpy as np, tempfile
+    >>> from zinfjax.checkpoint.writer import write_params
+    >>> gpt2 = tempfile.mkdtemp()                           # a converted model, its tokenizer's files beside it
+    >>> path = write_params(gpt2, {"w": np.ones(4, np.float32)})
+    >>> os.makedirs(f"{gpt2}/tokenizer"); open(f"{gpt2}/tokenizer/tokenizer.json", "w").close()
+    >>> tokenizer_dir(path) == f"{gpt2}/tokenizer"
+    True
+    >>> model_tokenizer(None, tempfile.mkdtemp(), 50257)  # GPT-2's vocabulary, and no tokenizer found
+    Traceback (most recent call last):
+    zinfjax.data.errors.DataError: the model in ... has a vocabulary of 50257 and no tokenizer beside it ...
 """
 
 from __future__ import annotations

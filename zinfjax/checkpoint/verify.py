@@ -8,8 +8,17 @@ or a deletion cut short by a crash leaves a ``.tmp-<step>`` or ``.deleting-<step
 outside the step namespace: partial too, and removed when the next run starts.
 
 Example:
-    >>> [c.describe() for c in verify_save_dir("runs/ckpt")]
-    ['step 4: complete', 'step 6: corrupt (crc32c mismatch in chunk file .../c/2/0: ...)']
+    >>> import numpy as np, tempfile
+    >>> from zinfjax.checkpoint.writer import write_params
+    >>> save_dir = tempfile.mkdtemp()
+    >>> for step in (4, 6):
+    ...     path = write_params(save_dir, {"blocks": {"fc": {"kernel": np.ones((3, 4, 4), np.float32)}}}, step=step)
+    >>> with open(f"{path}/params/blocks.fc.kernel/c/2/0/0", "r+b") as chunk:   # a bit flips in step 6's layer 2
+    ...     _ = chunk.write(bytes([1]))
+    >>> os.remove(f"{save_dir}/4/params/blocks.fc.kernel/c/0/0/0")               # and step 4 loses a chunk
+    >>> [c.describe() for c in verify_save_dir(save_dir)]
+    ['step 4: partial (params/blocks.fc.kernel: chunk c/0/0/0 is missing)',
+     'step 6: corrupt (params/blocks.fc.kernel: chunk c/2/0/0: crc32c mismatch)']
 """
 
 from __future__ import annotations

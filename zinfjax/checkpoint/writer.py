@@ -5,13 +5,16 @@ time. `CheckpointWriter` takes each as it comes and writes its chunks at once, s
 one tensor whatever the model's size; `commit` checks that every chunk was written, then makes the
 checkpoint visible as `CheckpointManager` does (metadata, syncfs, one rename).
 
-Example:
-    >>> leaves = expected_leaves(abstract_params, make_optimizer(config))
-    >>> with CheckpointWriter("runs/converted", step=0, leaves=leaves, config=config, model=model_config) as w:
-    ...     w.write("params", "blocks.fc.kernel", 3, fc_kernel_of_layer_3)
-    ...     w.write("opt_state", "0.count", None, np.int32(0))
-    ...     ...
-    >>> zinfjax.wrap(train_state, config, restore="runs/converted")
+Example (a tensor at a time, as a converter reads them; `write_params` writes a tree held whole):
+    >>> import jax, numpy as np, optax, tempfile
+    >>> like = {"blocks": {"w": jax.ShapeDtypeStruct((3, 4, 4), np.float32)}}     # 3 layers of (4, 4)
+    >>> leaves = expected_leaves(like, optax.sgd(0.1))                              # sgd: no optimizer state
+    >>> save_dir = tempfile.mkdtemp()
+    >>> with CheckpointWriter(save_dir, step=0, leaves=leaves) as w:
+    ...     for layer in range(3):
+    ...         w.write("params", "blocks.w", layer, np.full((4, 4), layer, np.float32))
+    >>> sorted(os.listdir(save_dir))                                                  # committed as the block ends
+    ['0']
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from zinfjax.checkpoint import format as fmt
 from zinfjax.checkpoint.errors import CheckpointError
@@ -45,8 +49,12 @@ def expected_leaves(abstract_params, tx, stacked=stacked_blocks) -> dict[str, di
     is written one layer at a time; every other leaf whole.
 
     Example:
-        >>> expected_leaves(abstract, optax.adamw(1e-3))["opt_state"]["0.mu.blocks.fc.kernel"].meta["shape"]
-        [4, 64, 256]
+        >>> import jax, numpy as np, optax
+        >>> abstract = {"blocks": {"fc": {"kernel": jax.ShapeDtypeStruct((4, 64, 256), np.float32)}}}
+        >>> leaves = expected_leaves(abstract, optax.adamw(1e-3))
+        >>> mu = leaves["opt_state"]["0.mu.blocks.fc.kernel"]           # Adam's first moment of the kernel
+        >>> mu.meta["shape"], mu.stacked
+        ([4, 64, 256], True)
     """
     f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.float32), abstract_params)
     params = [(path_str(p), plain_keys(p), x) for p, x in jax.tree_util.tree_flatten_with_path(f32)[0]]
@@ -167,6 +175,34 @@ class CheckpointWriter:
             self.commit()
         else:
             self.abort()
+
+
+def write_params(save_dir: str, params, tx=None, step: int = 0, config=None, model=None,
+                 stacked=stacked_blocks) -> str:
+    """A checkpoint ``<save_dir>/<step>`` of a parameter tree held in memory, in fp32, with ``tx``'s fresh optimizer
+    state (none without ``tx``: a run starts it afresh); returns its directory. What a converter writes when it
+    holds the whole tree; ``config`` and ``model`` are recorded as `CheckpointWriter` records them.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, tempfile
+        >>> from zinfjax.models import ModelConfig, build
+        >>> model = ModelConfig.named("gpt2-tiny")
+        >>> params = jax.jit(build(model).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        >>> path = write_params(tempfile.mkdtemp(), params, optax.adamw(1e-3), model=model)
+        >>> fmt.read_meta(path)["items"]["opt_state"]["0.mu.blocks.fc.kernel"]["shape"]
+        [4, 64, 256]
+    """
+    f32 = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+    trees = {"params": f32, "opt_state": jax.tree.map(np.asarray, tx.init(f32)) if tx is not None else None}
+    leaves = expected_leaves(f32, tx if tx is not None else optax.set_to_zero(), stacked)
+    leaves["opt_state"] = leaves["opt_state"] if tx is not None else {}
+    with CheckpointWriter(save_dir, step, leaves, config=config, model=model) as writer:
+        for item, tree in trees.items():
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if tree is not None else []:
+                name = leaf_name(path_str(p))
+                for layer in range(x.shape[0]) if leaves[item][name].stacked else [None]:
+                    writer.write(item, name, layer, x if layer is None else x[layer])
+    return fmt.step_dir(writer.save_dir, step)
 
 
 @dataclasses.dataclass

@@ -19,8 +19,10 @@ class Batches:
     """Random windows of ``seq_len + 1`` tokens; batch ``n`` depends only on ``(seed, n)``.
 
     Example:
-        >>> b = Batches(tokens, 8, 64, seed=1)
+        >>> b = Batches(np.arange(1000, dtype=np.uint16), 8, 64, seed=1)
         >>> first = next(b); b.restore({"seed": 1, "position": 0}); assert (next(b) == first).all()
+        >>> first.shape, first.dtype
+        ((8, 65), dtype('int32'))
     """
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0, position: int = 0):
@@ -71,7 +73,10 @@ def global_batch(batches: Batches, sharding) -> jax.Array:
     """The next batch as one global array; each process reads only the rows its devices hold.
 
     Example:
-        >>> global_batch(Batches(tokens, 8, 64), batch_sharding(mesh)).shape
+        >>> from zinfjax.sharding import batch_sharding, make_mesh
+        >>> batches = Batches(np.arange(1000, dtype=np.uint16), 8, 64)
+        >>> batch = global_batch(batches, batch_sharding(make_mesh({"data": 1})))
+        >>> batch.shape
         (8, 65)
     """
     n = batches.position

@@ -16,10 +16,17 @@ cannot be written, under ``$XDG_CACHE_HOME/zinfjax/tokens``), named by the data'
 tokenizer's, and memory-mapped from there: batch ``n`` stays a function of ``(seed, n)``, and a second run
 on the same data and tokenizer reads the file instead of tokenizing again.
 
-Example:
-    >>> tokens = tokenized("notes.jsonl", HFTokenizer("runs/gpt2/tokenizer"))   # doctest: +SKIP
-    >>> tokens.dtype, tokens.filename                                             # doctest: +SKIP
-    (dtype('uint16'), '/data/.zinfjax-tokens/notes.jsonl-3f2c...-9ab1....u16')
+Example (bytes here; a converted model's Hugging Face tokenizer is ``HFTokenizer(directory)``):
+    >>> import tempfile
+    >>> from zinfjax.data.tokenizers import load_tokenizer
+    >>> notes = f"{tempfile.mkdtemp()}/notes.jsonl"
+    >>> with open(notes, "w") as f:
+    ...     f.writelines(json.dumps({"text": text}) + "\\n" for text in ("Hi", "there"))
+    >>> tokens = tokenized(notes, load_tokenizer("bytes", 256))
+    >>> tokens.tolist(), tokens.dtype
+    ([72, 105, 116, 104, 101, 114, 101], dtype('uint16'))
+    >>> tokens.filename
+    '/.../.zinfjax-tokens/notes.jsonl-...-bytes-text.u2'
 """
 
 from __future__ import annotations

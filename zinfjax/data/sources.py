@@ -33,7 +33,12 @@ def load_tokens(source: str, tokenizer=None, field: str = "text", progress: bool
     through `zinfjax.data.corpus` (documents, each followed by the tokenizer's end-of-text token).
 
     Example:
-        >>> tokens = load_tokens("data/train.bin")   # uint16, memory-mapped
+        >>> import numpy as np, tempfile
+        >>> train = f"{tempfile.mkdtemp()}/train.bin"           # nanoGPT's format: uint16 token ids
+        >>> np.arange(1000, dtype=np.uint16).tofile(train)
+        >>> tokens = load_tokens(train)                          # memory-mapped
+        >>> tokens.dtype, len(tokens), type(tokens).__name__
+        (dtype('uint16'), 1000, 'memmap')
     """
     if source.endswith(".bin"):
         return _load_bin(source)

@@ -7,9 +7,15 @@ landed; the next engine on that path finds it, reports the step (`Engine.interru
 and rebuilds the working state from its source: a checkpoint, or the initial parameters. Each function
 takes the run's ``nvme_path``, or None for a run with no state on NVMe (no marker).
 
-Example:
-    >>> Engine(...).interrupted_step     # None, or the step that was cut short
+Example (what a killed process leaves, and what the next engine on its nvme_path reads; its
+`Engine.interrupted_step`):
+    >>> import tempfile
+    >>> nvme_path = tempfile.mkdtemp()
+    >>> begin(nvme_path, 7)                 # step 7 starts, and the process is killed before end(nvme_path)
+    >>> interrupted(nvme_path)
     7
+    >>> end(nvme_path); interrupted(nvme_path) is None
+    True
 """
 
 from __future__ import annotations

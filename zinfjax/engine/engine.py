@@ -114,9 +114,22 @@ def streamed_program(make: Callable[[bool], Program], tx, settings: EngineSettin
     the memory budget holds that operation (`prepare` accepts it), and tile by tile only when it does not;
     ``stream_tiles=always`` streams it tile by tile regardless. A program without tile scans is the same either way.
 
-    Example:
-        >>> make = lambda nest: program_for(loss_fn, params_like, batch_like, nest_tiles=nest)
-        >>> program = streamed_program(make, tx, EngineSettings(memory=Memory(memory_limit=1 << 30)), mesh)
+    Example (GPT-2 blocks whose MLP and attention scan over 2 tiles each):
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from zinfjax import models
+        >>> from zinfjax.models.stacked import lm_init, lm_loss
+        >>> from zinfjax.program import program_for
+        >>> from zinfjax.sections import Memory
+        >>> from zinfjax.sharding import make_mesh
+        >>> model = models.build(models.ModelConfig.named("gpt2-tiny").replace(tiles=2))
+        >>> like, batch = jax.eval_shape(lm_init(model), jax.random.key(0)), jax.ShapeDtypeStruct((8, 17), jnp.int32)
+        >>> make = lambda nest: program_for(lm_loss(model), like, batch, nest_tiles=nest)
+        >>> tx, mesh = optax.adamw(1e-3), make_mesh({"data": 1})
+        >>> [g.name for g in streamed_program(make, tx, EngineSettings(), mesh).streamed_groups()]  # a layer fits
+        ['s:embed.wte.embedding', 's:blocks']
+        >>> always = EngineSettings(memory=Memory(stream_tiles="always"))
+        >>> [g.name for g in streamed_program(make, tx, always, mesh).streamed_groups()]
+        ['s:embed.wte.embedding', 's:blocks.layer', 's:blocks.tiles1', 's:blocks.tiles3']
     """
     nested = make(True)
     if settings.memory.stream_tiles == "always" or all(stage.body is None for stage in nested.scans()):
@@ -146,9 +159,23 @@ class Engine:
     kept as given; what the engine derives from them is its own (`update_on`, `budget`, the plan's parts).
 
     Example:
-        >>> engine = Engine(program, TreeSource(program, plan, params), optax.adamw(1e-3), config.engine_settings(),
-        ...                 mesh)
+        >>> import jax, jax.numpy as jnp, tempfile
+        >>> from zinfjax.engine import TreeSource, update_plan
+        >>> from zinfjax.program import program_for
+        >>> from zinfjax.sharding import make_mesh
+        >>> def loss_fn(params, batch):                     # three layers: a scan over their stacked weights
+        ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"])
+        ...     return jnp.mean(h ** 2)
+        >>> params, batch, tx = {"blocks": jnp.ones((3, 8, 8)) / 8}, jnp.ones((8, 8)), optax.adamw(1e-3)
+        >>> program = program_for(loss_fn, params, batch)
+        >>> from zinfjax.sections import Tiering
+        >>> settings = EngineSettings(tiering=Tiering(params="nvme", optimizer="nvme", nvme_path=tempfile.mkdtemp()))
+        >>> engine = Engine(program, TreeSource(program, update_plan(tx, program), params), tx, settings,
+        ...                 make_mesh({"data": 1}))
         >>> metrics = engine.train_step(batch)
+        >>> engine.step_count, metrics["read_bytes_nvme"] > 0, engine.params()["blocks"].shape
+        (1, True, (3, 8, 8))
+        >>> engine.close()
     """
 
     def __init__(self, program: Program, source, tx: optax.GradientTransformation, settings: EngineSettings,

@@ -3,14 +3,34 @@
 A run that starts from (or resumes onto) a base checkpoint reads its frozen leaves every step and
 never writes them (`zinfjax.program.frozen`). Where such a leaf's checkpoint chunks are exactly the
 chunks the nvme params store would write (one whole layer each, in the compute dtype, unsharded), the
-store reads them where they are (`zinfjax.store.NvmeStore`'s ``in_place``) instead of copying the base
+store reads them where they are (`zinfjax.store.nvme.NvmeStore`'s ``in_place``) instead of copying the base
 into ``nvme_path``: a fp32 fine-tune of a converted model (`zinfjax convert` writes one layer a chunk)
 at ZeRO stages 0-2. A bf16 run of a fp32 base, or stage 3's device shards, copies it (cast, or cut),
 and the step log says which (``base.in_place_bytes`` and ``base.copied_bytes``).
 
-Example:
-    >>> in_place_leaves("nvme", program, source, engine.base_leaves, placement, jnp.float32)
-    {'s:blocks': {'blocks/q/kernel': '/work/runs/llama/0/params/blocks.q.kernel', ...}}
+Example (adapters ``a`` trained beside a base's weights ``w``, frozen in the base's checkpoint):
+    >>> import jax, jax.numpy as jnp, optax, tempfile
+    >>> from zinfjax import Config
+    >>> from zinfjax.checkpoint import CheckpointSource
+    >>> from zinfjax.checkpoint.writer import write_params
+    >>> from zinfjax.engine import Engine, TreeSource, update_plan
+    >>> from zinfjax.program import program_for
+    >>> from zinfjax.sharding import make_mesh
+    >>> def loss_fn(params, batch):                   # three layers: a scan over their stacked weights
+    ...     layer = lambda h, p: (jnp.tanh(h @ p["w"] + h @ p["a"]), None)
+    ...     return jnp.mean(jax.lax.scan(layer, batch, params["blocks"])[0] ** 2)
+    >>> params = {"blocks": {"w": np.ones((3, 8, 8), np.float32) / 8, "a": np.zeros((3, 8, 8), np.float32)}}
+    >>> base = write_params(tempfile.mkdtemp(), {"blocks": {"w": params["blocks"]["w"]}})
+    >>> tx = optax.multi_transform({"train": optax.adam(1e-3), "frozen": optax.set_to_zero()},
+    ...                            {"blocks": {"w": "frozen", "a": "train"}})
+    >>> program = program_for(loss_fn, params, jnp.ones((8, 8)))
+    >>> plan = update_plan(tx, program)
+    >>> source = CheckpointSource(base, program, plan, start=True, fallback=TreeSource(program, plan, params))
+    >>> config = Config(params="nvme", nvme_path=tempfile.mkdtemp())
+    >>> engine = Engine(program, source, tx, config.engine_settings(), make_mesh({"data": 1}))   # calls in_place_leaves
+    >>> engine.in_place == {"s:blocks": {"blocks/w": f"{base}/params/blocks.w"}}
+    True
+    >>> engine.close()
 """
 
 from __future__ import annotations

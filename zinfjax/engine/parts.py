@@ -13,10 +13,24 @@ the memory budget needs it or ``sub_group_size`` asks (`zinfjax.engine.engine.En
 update is the same computation either way, compiled per part: equal to the last bit or so
 (tests/engine/test_parts.py), and held to the in-memory reference like every path.
 
-Example:
-    >>> parts = update_parts(program, plan, specs, spooled=False)  # doctest: +SKIP
-    >>> [p.leaves for p in parts["s:blocks"]]  # doctest: +SKIP
-    [(3, 4, 5, 6, 7, 8), (9, 10), (11, 12)]
+Example (MLP blocks of 16,384 + 256 + 16,384 + 64 parameters, packed in group order in parts of at most 20,000):
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from zinfjax.engine.engine import prepare
+    >>> from zinfjax.program import program_for
+    >>> from zinfjax.sections import EngineSettings
+    >>> from zinfjax.sharding import make_mesh
+    >>> def loss_fn(params, x):                   # four blocks: fc (64 -> 256), proj (256 -> 64)
+    ...     def layer(h, p):
+    ...         up = jnp.tanh(h @ p["fc"]["kernel"] + p["fc"]["bias"][None])
+    ...         return h + up @ p["proj"]["kernel"] + p["proj"]["bias"][None], None
+    ...     return jnp.mean(jax.lax.scan(layer, x, params["blocks"])[0] ** 2)
+    >>> params = {"blocks": {"fc": {"kernel": jnp.zeros((4, 64, 256)), "bias": jnp.zeros((4, 256))},
+    ...                      "proj": {"kernel": jnp.zeros((4, 256, 64)), "bias": jnp.zeros((4, 64))}}}
+    >>> program, tx = program_for(loss_fn, params, jnp.ones((8, 64))), optax.adam(1e-3)
+    >>> ready = prepare(program, tx, EngineSettings(), make_mesh({"data": 1}))  # what an Engine settles first
+    >>> parts = update_parts(program, ready.layout.plan, ready.specs, spooled=False, sub_group_size=20_000)
+    >>> [[program.leaves[k].path for k in part.leaves] for part in parts["s:blocks"]]
+    [['blocks/fc/bias', 'blocks/fc/kernel', 'blocks/proj/bias'], ['blocks/proj/kernel']]
 """
 
 from __future__ import annotations

@@ -9,10 +9,21 @@ Inside the stage functions a parameter is constrained to the *compute* layout (g
 ``data`` from stage 2: a reduce-scatter), and an activation or residual, whose axes are
 ``(micro-batch, rows, ...)``, to rows split over ``data``.
 
-Example:
-    >>> placement = Placement(program, rules, mesh)
-    >>> placement.sharding("params", "blocks/fc/kernel", (64, 256))
-    NamedSharding(mesh=..., spec=PartitionSpec(None, 'data'))
+Example (8 devices; on a CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=8``):
+    >>> import jax.numpy as jnp
+    >>> from zinfjax.program import program_for
+    >>> from zinfjax.sharding import make_mesh
+    >>> def loss_fn(params, x):                   # four MLP blocks: fc (64 -> 256), proj (256 -> 64)
+    ...     layer = lambda h, p: (h + jnp.tanh(h @ p["fc"]["kernel"]) @ p["proj"]["kernel"], None)
+    ...     return jnp.mean(jax.lax.scan(layer, x, params["blocks"])[0] ** 2)
+    >>> params = {"blocks": {"fc": {"kernel": jnp.zeros((4, 64, 256))}, "proj": {"kernel": jnp.zeros((4, 256, 64))}}}
+    >>> program = program_for(loss_fn, params, jnp.ones((8, 64)))
+    >>> mesh = make_mesh({"data": 8})
+    >>> placement = Placement(program, ShardingRules.for_mesh(mesh, stage=3), mesh)
+    >>> placement.sharding("params", "blocks/fc/kernel", (64, 256)).spec      # a layer's slice, at rest
+    P(None, 'data')
+    >>> placement.stacked("params", "blocks/fc/kernel", (64, 256)).spec      # its store leaf: layers stacked
+    P(None, None, 'data')
 """
 
 from __future__ import annotations

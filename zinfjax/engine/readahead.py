@@ -65,9 +65,17 @@ class ReadAhead:
     consumed; ``events`` has one `ReadEvent` per read, in issue order.
 
     Example:
-        >>> groups = [[Read("params", store, i)] for i in range(L)]   # doctest: +SKIP
-        >>> for (layer,) in ReadAhead(groups, depth=2):               # doctest: +SKIP
-        ...     h = block(layer, h)
+        >>> import jax, jax.numpy as jnp
+        >>> from zinfjax.store import open_store
+        >>> store = open_store("host", {"w": jax.ShapeDtypeStruct((6, 4, 4), jnp.float32)})   # 6 layers
+        >>> for i in range(6):
+        ...     _ = store.write(i, {"w": jnp.full((4, 4), i / 10)})
+        >>> h, ahead = jnp.ones(4), ReadAhead([[Read("params", store, i)] for i in range(6)], depth=2)
+        >>> for (layer,) in ahead:                  # layers i+1 and i+2 are read while layer i computes
+        ...     h = jnp.tanh(h @ layer["w"])
+        >>> ahead.max_ahead, len(ahead.events)
+        (2, 6)
+        >>> store.close()
     """
 
     def __init__(self, groups: Sequence[Sequence[Read]], depth: int):

@@ -7,9 +7,19 @@ with the optimizer's own ``init``. Sources: whole trees in memory (`TreeSource`)
 (`zinfjax.program.init.InitSource`), so a model larger than memory never exists whole.
 
 Example:
-    >>> source = TreeSource(program, plan, params, opt_state=state.opt_state, step=int(state.step))
+    >>> import optax
+    >>> from zinfjax.engine import update_plan
+    >>> from zinfjax.program import program_for
+    >>> def loss_fn(params, x):                   # four layers: a scan over their stacked weights and biases
+    ...     layer = lambda h, p: (jnp.tanh(h @ p["w"] + p["b"][None]), None)
+    ...     return jnp.mean(jax.lax.scan(layer, x, params["blocks"])[0] ** 2)
+    >>> params = {"blocks": {"b": jnp.zeros((4, 64)), "w": jnp.ones((4, 64, 64))}}
+    >>> program, tx = program_for(loss_fn, params, jnp.ones((8, 64))), optax.adam(1e-3)
+    >>> source = TreeSource(program, update_plan(tx, program), params, opt_state=tx.init(params), step=10)
     >>> source.params("s:blocks", 3)[0].shape       # layer 3 of the first leaf of the blocks group
     (64,)
+    >>> source.step
+    10
 """
 
 from __future__ import annotations

@@ -362,9 +362,11 @@ def split_advice(tiering: Tiering, specs: list[StoreSpec], short: int) -> str:
     """For a budget ``short`` bytes short of a step: how many fewer layers each split part (``host:12,nvme``) must
     hold in host memory for it to fit (with one to spare: the process's own memory moves a little), or ``""``.
 
-    Example:
-        >>> split_advice(Tiering(optimizer="host:12,nvme", nvme_path="/tmp/x"), specs, 300 << 20)  # doctest: +SKIP
-        'optimizer=host:12,nvme holds 1.3 GiB in host memory; optimizer=host:5,nvme (7 fewer layers of 112.0 MiB) fits'
+    Example (an optimizer state of 36 layers of 4 MiB, 12 of them in host memory, and a budget 10 MiB short):
+        >>> like = {"blocks/w": stacked(36, (1 << 20,), jnp.float32, None)}
+        >>> spec = StoreSpec("opt", "s:blocks", "host:12,nvme", like)
+        >>> split_advice(Tiering(optimizer="host:12,nvme", nvme_path="/tmp/x"), [spec], 10 << 20)
+        'optimizer=host:12,nvme holds 48.0 MiB in host memory; optimizer=host:8,nvme (4 fewer layers of 4.0 MiB) fits'
     """
     tips = []
     for key in TIER_KEYS:

@@ -60,9 +60,16 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
 def device_read_bytes(store, keys=None) -> int:
     """Bytes one read of a layer (or of its leaves ``keys``) brings to the busiest device: its own shard of each leaf.
 
-    Example:
+    Example (8 devices; on a CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=8``):
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> from zinfjax.sharding import make_mesh
+        >>> from zinfjax.store import open_store
+        >>> split = NamedSharding(make_mesh({"data": 8}), P(None, "data"))    # each layer's rows over 8 devices
+        >>> store = open_store("host", {"w": jax.ShapeDtypeStruct((4, 2048, 1024), jnp.float32, sharding=split)})
         >>> device_read_bytes(store)   # a layer of 8 MiB split over 8 devices: 1 MiB
         1048576
+        >>> store.close()
     """
     per_device: Counter = Counter()
     for lay in _layouts(store, keys):
@@ -91,7 +98,15 @@ class StepTelemetry:
     """Collects one step's figures from the stores' counters and the read schedules.
 
     Example:
-        >>> t = StepTelemetry(stores); ...; metrics = t.finish(loss=2.3)
+        >>> import jax, jax.numpy as jnp
+        >>> from zinfjax.store import open_store
+        >>> store = open_store("host", {"w": jax.ShapeDtypeStruct((4, 256), jnp.float32)})   # layers of 1 KiB
+        >>> t = StepTelemetry([store])
+        >>> store.write(0, {"w": jnp.ones(256)}).result(); t.add_write(store, 0)   # what the step does
+        >>> metrics = t.finish(loss=2.3)
+        >>> metrics["loss"], metrics["write_bytes_host"], metrics["write_bytes_host_per_device"]
+        (2.3, 1024, 1024)
+        >>> store.close()
     """
 
     def __init__(self, stores: list, tracer=None):

@@ -16,12 +16,26 @@ chrome://tracing) and a PNG timeline drawn from the same events, next to it
 layer ``i`` are the prefetch overlap.
 
 Example:
-    >>> tracer = Tracer(max_steps=3)
-    >>> tracer.attach(engine)
-    >>> for batch in batches:
-    ...     engine.train_step(batch)
+    >>> import jax, jax.numpy as jnp, optax, tempfile
+    >>> from zinfjax import Config
+    >>> from zinfjax.engine import Engine, TreeSource, update_plan
+    >>> from zinfjax.program import program_for
+    >>> from zinfjax.sharding import make_mesh
+    >>> def loss_fn(params, batch):                     # three layers: a scan over their stacked weights
+    ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"])
+    ...     return jnp.mean(h ** 2)
+    >>> params, batch, tx = {"blocks": jnp.ones((3, 8, 8)) / 8}, jnp.ones((8, 8)), optax.sgd(0.1)
+    >>> program = program_for(loss_fn, params, batch)
+    >>> engine = Engine(program, TreeSource(program, update_plan(tx, program), params), tx,
+    ...                 Config(params="nvme", nvme_path=tempfile.mkdtemp()).engine_settings(), make_mesh({"data": 1}))
+    >>> tracer = Tracer(max_steps=3).attach(engine)
+    >>> for _ in range(5):
+    ...     metrics = engine.train_step(batch)
     >>> tracer.detach()
-    >>> json_path, png_path = tracer.save("runs/trace.json")
+    >>> json_path, png_path = tracer.save(f"{tempfile.mkdtemp()}/trace.json")
+    >>> os.path.basename(png_path), len([e for e in tracer.events if e.kind == "step"])   # the first 3 steps
+    ('trace.png', 3)
+    >>> engine.close()
 """
 
 from __future__ import annotations
@@ -68,10 +82,25 @@ class Tracer:
             the tracer attached without its events growing without bound.
 
     Example:
-        >>> tracer = Tracer(max_steps=2); tracer.attach(engine)
-        >>> engine.train_step(batch); engine.train_step(batch)
-        >>> tracer.detach(); tracer.save("trace.json")
-        ('trace.json', 'trace.png')
+        >>> import jax, jax.numpy as jnp, optax, tempfile
+        >>> from zinfjax import Config
+        >>> from zinfjax.engine import Engine, TreeSource, update_plan
+        >>> from zinfjax.program import program_for
+        >>> from zinfjax.sharding import make_mesh
+        >>> def loss_fn(params, batch):                     # three layers: a scan over their stacked weights
+        ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"])
+        ...     return jnp.mean(h ** 2)
+        >>> params, batch, tx = {"blocks": jnp.ones((3, 8, 8)) / 8}, jnp.ones((8, 8)), optax.sgd(0.1)
+        >>> program = program_for(loss_fn, params, batch)
+        >>> settings = Config(params="nvme", nvme_path=tempfile.mkdtemp()).engine_settings()
+        >>> engine = Engine(program, TreeSource(program, update_plan(tx, program), params), tx, settings,
+        ...                 make_mesh({"data": 1}))
+        >>> tracer = Tracer(max_steps=2).attach(engine)
+        >>> metrics = engine.train_step(batch)
+        >>> tracer.detach()
+        >>> sorted({e.kind for e in tracer.events}), sorted({e.track for e in tracer.events if e.kind == "read"})
+        (['compute', 'read', 'step', 'write'], ['read params_blocks'])
+        >>> engine.close()
     """
 
     def __init__(self, max_steps: int | None = None):
@@ -192,8 +221,12 @@ def assign_rows(events: list[TraceEvent]) -> list[tuple[str, list[TraceEvent]]]:
     together (prefetch depth > 1) go to lanes "read params_blocks", "read params_blocks #2", ...
 
     Example:
-        >>> [name for name, _ in assign_rows(tracer.events)][:2]
-        ['step', 'compute']
+        >>> events = [TraceEvent("step", "step", "step 1", 0, 0.0, 1.0),
+        ...           TraceEvent("compute", "compute", "block_fwd", 0, 0.2, 0.5),
+        ...           TraceEvent("read", "read params", "read", 1, 0.1, 0.6),     # layers 1 and 2 read at once
+        ...           TraceEvent("read", "read params", "read", 2, 0.3, 0.8)]
+        >>> [name for name, _ in assign_rows(events)]
+        ['step', 'compute', 'read params', 'read params #2']
     """
     tracks: dict[str, list[TraceEvent]] = {}
     for e in sorted(events, key=lambda e: (e.start, e.end)):
@@ -214,7 +247,13 @@ def chrome_trace(events: list[TraceEvent]) -> dict:
     """The events as Chrome trace JSON: "X" events in microseconds, one thread per row.
 
     Example:
-        >>> json.dump(chrome_trace(tracer.events), open("trace.json", "w"))
+        >>> events = [TraceEvent("step", "step", "step 1", 0, 0.0, 1.0),
+        ...           TraceEvent("compute", "compute", "block_fwd", 0, 0.2, 0.5),
+        ...           TraceEvent("read", "read params", "read", 1, 0.1, 0.6),     # layers 1 and 2 read at once
+        ...           TraceEvent("read", "read params", "read", 2, 0.3, 0.8)]
+        >>> trace = chrome_trace(events)
+        >>> [(e["name"], e["ts"], e["dur"]) for e in trace["traceEvents"] if e["ph"] == "X"][:2]
+        [('step 1', 0.0, 1000000.0), ('block_fwd 0', 200000.0, 300000.0)]
     """
     origin = min((e.start for e in events), default=0.0)
     out = [{"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "zinfjax"}}]
@@ -239,8 +278,12 @@ def write_trace(events: list[TraceEvent], path: str) -> tuple[str, str]:
     """Writes the Chrome trace JSON at ``path`` and the PNG timeline next to it.
 
     Example:
-        >>> write_trace(tracer.events, "runs/trace.json")
-        ('runs/trace.json', 'runs/trace.png')
+        >>> import tempfile
+        >>> events = [TraceEvent("step", "step", "step 1", 0, 0.0, 1.0),
+        ...           TraceEvent("read", "read params", "read", 1, 0.1, 0.6)]
+        >>> runs = tempfile.mkdtemp()
+        >>> write_trace(events, f"{runs}/trace.json") == (f"{runs}/trace.json", f"{runs}/trace.png")
+        True
     """
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -267,8 +310,12 @@ def draw_timeline(events: list[TraceEvent], path: str, title: str | None = None)
     """A PNG of the timeline: one row per track (lane), a bar per event; returns ``path``.
 
     Example:
-        >>> draw_timeline(tracer.events, "trace.png")
-        'trace.png'
+        >>> import tempfile
+        >>> events = [TraceEvent("step", "step", "step 1", 0, 0.0, 1.0),
+        ...           TraceEvent("read", "read params", "read", 1, 0.1, 0.6)]
+        >>> png = f"{tempfile.mkdtemp()}/trace.png"
+        >>> draw_timeline(events, png) == png and os.path.getsize(png) > 0
+        True
     """
     import matplotlib
 

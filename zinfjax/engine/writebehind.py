@@ -13,10 +13,19 @@ waits for them only where what they hold would grow without bound (docs/design.m
   loop waits for the oldest. The bound is in bytes, from the memory budget, so it holds whatever the
   size of a layer.
 
-Example:
-    >>> behind = WriteBehind(bound=budget.write_bytes_in_flight, depth=2)   # doctest: +SKIP
-    >>> behind.computed(block(layer, h))                                    # doctest: +SKIP
-    >>> behind.written(store.write(i, tree), store.part_nbytes())           # doctest: +SKIP
+Example (four layers, each computed and written back; no more than two computations and 64 KiB of writes in
+flight):
+    >>> import jax.numpy as jnp
+    >>> from zinfjax.store import open_store
+    >>> store = open_store("host", {"w": jax.ShapeDtypeStruct((4, 64, 64), jnp.float32)})
+    >>> behind = WriteBehind(bound=64 << 10, depth=2)
+    >>> for i in range(4):
+    ...     layer = {"w": jnp.tanh(jnp.full((64, 64), float(i)))}
+    ...     behind.computed(layer)
+    ...     behind.written(store.write(i, layer), store.part_nbytes())
+    >>> behind.writing <= behind.bound
+    True
+    >>> store.flush(); store.close()
 """
 
 from __future__ import annotations

@@ -8,10 +8,15 @@ size until compute dominates. Each layer's KV cache, for the whole batch, lives 
 on ``config.kv_cache`` (device, host or nvme) and is read and written back with its layer.
 
 Example:
-    >>> result = generate("runs/ckpt", [[72, 101, 108]], max_new_tokens=20,
-    ...                   config=Config(params="nvme", nvme_path="/mnt/nvme/gen"))
-    >>> result.tokens[0][:3]
-    [72, 101, 108]
+    >>> import jax, jax.numpy as jnp, tempfile
+    >>> from zinfjax.checkpoint.writer import write_params
+    >>> model = ModelConfig.named("gpt2-tiny")                 # a checkpoint of a (random) GPT-2
+    >>> params = jax.jit(models.build(model).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    >>> ckpt = write_params(tempfile.mkdtemp(), params, model=model)
+    >>> result = generate(ckpt, [[72, 101, 108]], max_new_tokens=5,
+    ...                   config=Config(params="nvme", kv_cache="host", nvme_path=tempfile.mkdtemp()))
+    >>> result.tokens[0][:3], len(result.tokens[0]), result.metrics["read_bytes_nvme"] > 0
+    ([72, 101, 108], 8, True)
 """
 
 from __future__ import annotations
@@ -49,9 +54,16 @@ class GenerateResult:
 class Generator:
     """Decodes a batch of equal-length prompts; see the module docstring.
 
-    Example:
-        >>> gen = Generator(model_config, param_stores, config, batch=8, max_len=128)
-        >>> tokens, metrics = gen.run(prompts, max_new_tokens=32, sampling=Sampling())
+    Example (parameters from a tree in memory, on the host tier):
+        >>> import jax, jax.numpy as jnp
+        >>> model = ModelConfig.named("gpt2-tiny")
+        >>> params = jax.jit(models.build(model).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        >>> param_stores = ParamStores.from_tree(params, Config(params="host"))
+        >>> gen = Generator(model, param_stores, param_stores.config, batch=8, max_len=16)
+        >>> tokens, metrics = gen.run(np.full((8, 4), 72), max_new_tokens=4, sampling=Sampling())
+        >>> tokens.shape                                   # each prompt's 4 tokens, then 4 new ones
+        (8, 8)
+        >>> gen.close(); param_stores.close()
     """
 
     def __init__(self, model_config: ModelConfig, params: ParamStores, config: Config, batch: int, max_len: int):
@@ -145,8 +157,13 @@ def generate(source, prompts, max_new_tokens: int, config: Config | None = None,
     ``zinfjax convert``) or an in-memory parameter tree (then pass ``model``). Prompts are lists
     of token ids of one length; they are decoded together, batch-major.
 
-    Example:
-        >>> generate("runs/ckpt", [[1, 2, 3]] * 8, 16, Config(params="nvme", nvme_path="/mnt/nv")).tokens[0]
+    Example (a tree in memory, on the device tier; the module docstring streams a checkpoint from NVMe):
+        >>> import jax, jax.numpy as jnp
+        >>> model = ModelConfig.named("gpt2-tiny")
+        >>> params = jax.jit(models.build(model).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        >>> result = generate(params, [[1, 2, 3]] * 8, 4, model=model)     # greedy: the 8 rows alike
+        >>> len(result.tokens), result.tokens[0][:3], len(result.tokens[0]), result.tokens[7] == result.tokens[0]
+        (8, [1, 2, 3], 7, True)
     """
     config = config or Config()
     sampling = sampling or Sampling()

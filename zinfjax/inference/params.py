@@ -35,8 +35,19 @@ class ParamStores:
     buffers they stream with (``config``'s, fixed defaults where it leaves them to a budget: `with_defaults`).
 
     Example:
-        >>> ps = ParamStores.from_checkpoint("runs/ckpt", model, config)
+        >>> import tempfile
+        >>> from zinfjax.checkpoint.writer import write_params
+        >>> from zinfjax.inference.generate import abstract_params
+        >>> from zinfjax.models import ModelConfig, build
+        >>> model = ModelConfig.named("gpt2-tiny")
+        >>> params = jax.jit(build(model).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        >>> ckpt = write_params(tempfile.mkdtemp(), params, model=model)
+        >>> config = Config(params="nvme", nvme_path=tempfile.mkdtemp())
+        >>> ps = ParamStores.from_checkpoint(ckpt, abstract_params(model), config)
         >>> layer = ps.stores["blocks"].read(3).result()
+        >>> bool((layer["fc"]["kernel"] == params["blocks"]["fc"]["kernel"][3]).all())
+        True
+        >>> ps.close()
     """
 
     def __init__(self, abstract, config: Config, name: str = "infer"):

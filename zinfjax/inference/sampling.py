@@ -19,7 +19,12 @@ class Sampling:
 
     Example:
         >>> Sampling()                                      # greedy
-        >>> Sampling(temperature=0.8, top_k=50, top_p=0.95, seed=1)
+        Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=0)
+        >>> Sampling(temperature=0.8, top_k=50, top_p=0.95, seed=1).top_k
+        50
+        >>> Sampling(top_p=0)
+        Traceback (most recent call last):
+        zinfjax.errors.ConfigError: top_p=0 must be in (0, 1]
     """
 
     temperature: float = 0.0
@@ -43,7 +48,11 @@ def next_tokens(logits: jax.Array, key: jax.Array, temperature: float, top_k: in
     """The next token of each row of ``logits`` (B, V).
 
     Example:
-        >>> next_tokens(logits, jax.random.key(0), 0.0, 0, 1.0)    # greedy
+        >>> logits = jnp.array([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+        >>> next_tokens(logits, jax.random.key(0), 0.0, 0, 1.0).tolist()    # greedy
+        [1, 0]
+        >>> next_tokens(logits, jax.random.key(0), 1.0, 1, 1.0).tolist()    # sampled from the top 1: the same
+        [1, 0]
     """
     logits = logits.astype(jnp.float32)
     if temperature == 0.0:

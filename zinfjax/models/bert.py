@@ -8,12 +8,17 @@ the encoder computes hidden states and, with `mean_pool`, sentence embeddings.
 The attention mask travels between blocks with the hidden states (`Hidden`), so a block
 keeps the ``block(p, h) -> h`` signature of the convention.
 
-Example:
-    >>> model = Bert(config)                                # config.arch == "bert"
-    >>> batch = BertInputs(ids, attention_mask, token_type_ids)
-    >>> params = model.init(jax.random.key(0), batch)["params"]
-    >>> out = model.apply({"params": params}, batch)
-    >>> sentences = mean_pool(out.hidden, attention_mask)   # (B, D)
+Example (a BERT of 2 layers of width 32; `zinfjax convert` reads a real one's config from Hugging Face):
+    >>> config = ModelConfig("bert", vocab_size=100, max_seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+    >>> model = Bert(config)
+    >>> ids = jnp.array([[5, 6, 7, 0], [8, 9, 0, 0]])
+    >>> attention_mask = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0]])          # the 0s are padding
+    >>> batch = BertInputs(ids, attention_mask, jnp.zeros_like(ids))
+    >>> params = jax.jit(model.init)(jax.random.key(0), batch)["params"]
+    >>> out = jax.jit(model.apply)({"params": params}, batch)
+    >>> sentences = mean_pool(out.hidden, attention_mask)
+    >>> out.hidden.shape, sentences.shape                               # (B, T, D) and (B, D)
+    ((2, 4, 32), (2, 32))
 """
 
 from __future__ import annotations
@@ -62,8 +67,9 @@ def bert_inputs(tokens: jax.Array | BertInputs) -> BertInputs:
     """``tokens`` as `BertInputs`; a bare (B, T) array of ids means no padding and token type 0.
 
     Example:
-        >>> bert_inputs(ids).mask.all()
-        True
+        >>> inputs = bert_inputs(jnp.array([[5, 6, 7]]))
+        >>> bool(inputs.mask.all()), inputs.types.tolist()
+        (True, [[0, 0, 0]])
     """
     if isinstance(tokens, BertInputs):
         return tokens
@@ -74,9 +80,10 @@ def bert_inputs(tokens: jax.Array | BertInputs) -> BertInputs:
 def mean_pool(hidden: jax.Array, mask: jax.Array) -> jax.Array:
     """The mean of ``hidden`` (B, T, D) over the real tokens of ``mask`` (B, T): sentence embeddings.
 
-    Example:
-        >>> mean_pool(out.hidden, attention_mask).shape
-        (B, D)
+    Example (two tokens of the first sentence and one of the second are real):
+        >>> hidden = jnp.arange(12.0).reshape(2, 3, 2)          # (B, T, D)
+        >>> mean_pool(hidden, jnp.array([[1, 1, 0], [1, 0, 0]])).tolist()
+        [[1.0, 2.0], [6.0, 7.0]]
     """
     m = mask.astype(hidden.dtype)[..., None]
     return jnp.sum(hidden * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1e-9)

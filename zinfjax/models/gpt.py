@@ -5,8 +5,11 @@ to the input embedding. All blocks are stacked on a leading layer axis (``nn.sca
 
 Example:
     >>> model = GPT(ModelConfig.named("gpt2-tiny"))
-    >>> params = model.init(jax.random.key(0), tokens)["params"]
-    >>> loss = model.apply({"params": params}, tokens, targets)
+    >>> tokens, targets = jnp.zeros((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32)
+    >>> params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+    >>> loss = jax.jit(model.apply)({"params": params}, tokens, targets)
+    >>> sorted(params), params["blocks"]["fc"]["kernel"].shape, 5 < float(loss) < 6     # about ln 256 = 5.5
+    (['blocks', 'embed', 'head'], (4, 64, 256), True)
 """
 
 from __future__ import annotations

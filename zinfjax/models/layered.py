@@ -10,7 +10,6 @@ functions over three parameter groups:
   also receives the embedding group so that a tied output projection can read it.
 
 A model follows the convention when it has a ``layers()`` method returning `Layers`.
-See docs/layered.md.
 """
 
 from __future__ import annotations
@@ -26,16 +25,21 @@ from zinfjax.errors import UserError
 from zinfjax.models.products import accumulator
 
 Params = Any
-DOCS = "docs/layered.md"
+DOCS = "the docstring of zinfjax.models.layered"
 
 
 class Layers(NamedTuple):
     """The three functions of a layered model.
 
     Example:
+        >>> from zinfjax.models import GPT, ModelConfig
+        >>> model, tokens = GPT(ModelConfig.named("gpt2-tiny")), jnp.zeros((2, 8), jnp.int32)
+        >>> params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
         >>> layers = model.layers()
         >>> h = layers.embed(params["embed"], tokens)
-        >>> h = layers.block(jax.tree.map(lambda x: x[0], params["blocks"]), h)
+        >>> h = layers.block(jax.tree.map(lambda x: x[0], params["blocks"]), h)     # layer 0
+        >>> h.shape
+        (2, 8, 64)
     """
 
     embed: Callable[[Params, jax.Array], jax.Array]
@@ -62,8 +66,12 @@ def check_params(params: Params) -> int:
     """Checks the parameter groups and returns the number of layers L.
 
     Example:
-        >>> check_params({"embed": e, "blocks": b, "head": h})
+        >>> e, h = {"wte": jnp.zeros((256, 64))}, {"scale": jnp.ones(64)}
+        >>> check_params({"embed": e, "blocks": {"w": jnp.zeros((12, 64, 64))}, "head": h})
         12
+        >>> check_params({"embed": e, "blocks": {"w": jnp.zeros((12, 64)), "b": jnp.zeros((6, 64))}, "head": h})
+        Traceback (most recent call last):
+        zinfjax.models.layered.LayeredConventionError: every leaf of params['blocks'] must be stacked on a leading ...
     """
     if not isinstance(params, dict) or set(params) != set(GROUPS):
         keys = sorted(params) if isinstance(params, dict) else type(params).__name__
@@ -86,7 +94,11 @@ def get_layers(model: Any) -> Layers:
     """Returns the model's `Layers`, or raises an error naming what is missing.
 
     Example:
-        >>> layers = get_layers(GPT(Config.named("gpt2-tiny")))
+        >>> from zinfjax.models import GPT, ModelConfig
+        >>> layers = get_layers(GPT(ModelConfig.named("gpt2-tiny")))
+        >>> get_layers(object())
+        Traceback (most recent call last):
+        zinfjax.models.layered.LayeredConventionError: object does not follow the layered convention: it needs ...
     """
     if not isinstance(model, LayeredModel):
         raise LayeredConventionError(
@@ -127,8 +139,14 @@ def scan_blocks(block: Callable, blocks: Params, h: jax.Array) -> jax.Array:
 def loss_fn(layers: Layers, params: Params, tokens: jax.Array, targets: jax.Array) -> jax.Array:
     """The full model loss: ``head(scan(block, embed(x)))``.
 
-    Example:
-        >>> loss = loss_fn(model.layers(), params, batch[:, :-1], batch[:, 1:])
+    Example (the same loss as the model's own apply):
+        >>> from zinfjax.models import GPT, ModelConfig
+        >>> model, batch = GPT(ModelConfig.named("gpt2-tiny")), jnp.arange(18).reshape(2, 9) % 7
+        >>> params = jax.jit(model.init)(jax.random.key(0), batch[:, :-1])["params"]
+        >>> loss = jax.jit(loss_fn, static_argnums=0)(model.layers(), params, batch[:, :-1], batch[:, 1:])
+        >>> applied = jax.jit(model.apply)({"params": params}, batch[:, :-1], batch[:, 1:])
+        >>> bool(jnp.allclose(loss, applied))
+        True
     """
     h = layers.embed(params["embed"], tokens)
     h = scan_blocks(layers.block, params["blocks"], h)

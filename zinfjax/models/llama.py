@@ -5,7 +5,9 @@ SwiGLU MLP, grouped-query attention, no biases and an untied output head.
 
 Example:
     >>> model = Llama(ModelConfig.named("llama-tiny"))
-    >>> params = model.init(jax.random.key(0), tokens)["params"]
+    >>> params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["params"]
+    >>> params["blocks"]["q"]["kernel"].shape, params["blocks"]["k"]["kernel"].shape   # 16 query heads, 8 key-value
+    ((4, 128, 16, 8), (4, 128, 8, 8))
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ them alone (`is_adapter` selects them for `zinfjax.trainers.frozen.freeze`): eve
 update (``optax.set_to_zero``).
 
 Example:
-    >>> c = ModelConfig.named("llama-tiny").replace(lora_rank=4, lora_targets=("q", "v"))
-    >>> params = models.build(c).init(jax.random.key(0), tokens)["params"]        # doctest: +SKIP
-    >>> jax.tree.map(jnp.shape, params["blocks"]["q_lora"])                        # doctest: +SKIP
-    {'a': (2, 64, 4), 'b': (2, 4, 4, 16)}
+    >>> from zinfjax import models
+    >>> c = models.ModelConfig.named("llama-tiny").replace(lora_rank=4, lora_targets=("q", "v"))
+    >>> params = jax.eval_shape(models.build(c).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    >>> jax.tree.map(jnp.shape, params["blocks"]["q_lora"])          # 4 layers of q's adapter: (in, r), (r, out)
+    {'a': (4, 128, 4), 'b': (4, 4, 16, 8)}
 """
 
 from __future__ import annotations

@@ -21,8 +21,12 @@ def lm_loss(model: nn.Module):
     ``loss(params, tokens, rng)`` for a model with dropout (`takes_rng`: LoRA's ``lora_dropout``).
 
     Example:
-        >>> lm_loss(model)(params, batch)
-        Array(5.56, dtype=float32)
+        >>> from zinfjax import models
+        >>> model, batch = models.build("gpt2-tiny"), jnp.arange(18).reshape(2, 9) % 7     # (B, T+1) tokens
+        >>> params = jax.jit(lm_init(model))(jax.random.key(0))
+        >>> loss = jax.jit(lm_loss(model))(params, batch)
+        >>> loss.dtype, 5 < float(loss) < 6                               # about ln 256 = 5.5
+        (dtype('float32'), True)
     """
     if takes_rng(model):
         def noisy(params, tokens, rng):
@@ -99,9 +103,16 @@ class Decoding(NamedTuple):
     - ``head(p_head, p_embed, h) -> logits``;
     - ``cache_like(batch, max_len, dtype)``: one layer's empty cache, as ``ShapeDtypeStruct`` leaves.
 
-    Example:
+    Example (a prompt of 3 tokens through layer 0 of gpt2-tiny, its cache room for 16 positions):
+        >>> from zinfjax import models
+        >>> model, prompt = models.build("gpt2-tiny"), jnp.array([[72, 105, 33]])
+        >>> params = jax.jit(lm_init(model))(jax.random.key(0))
         >>> dec = model.decoding()
-        >>> h, cache = dec.block(layer_params, dec.embed(pe, prompt, 0), zeros_cache, jnp.int32(0))
+        >>> zeros_cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), dec.cache_like(1, 16))
+        >>> layer_params = jax.tree.map(lambda x: x[0], params["blocks"])
+        >>> h, cache = dec.block(layer_params, dec.embed(params["embed"], prompt, 0), zeros_cache, jnp.int32(0))
+        >>> h.shape, cache["k"].shape                # (B, T, D); the keys of positions 0-2 written
+        ((1, 3, 64), (1, 16, 8, 8))
     """
 
     embed: Callable

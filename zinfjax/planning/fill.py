@@ -7,9 +7,14 @@ memory that still fit the budget with room for the engine to read ahead (`zinfja
 that fits whole goes to host memory whole; one that fits in part is split (``host:12,nvme``,
 `zinfjax._util.tier_split`). The plan predicts the placement like any other and keeps it when it is the fastest.
 
-Example:
-    >>> fill_memory(config, parts, stores, machine, cut)   # doctest: +SKIP
-    {'params': 'host', 'optimizer': 'host:14,nvme', 'gradients': 'device', 'activations': 'host'}
+Example (gpt2-small in a 2 GiB budget; `zinfjax.planning.make_plan` weighs what this fills among its placements):
+    >>> import tempfile
+    >>> from zinfjax import Config
+    >>> from zinfjax.planning import make_plan
+    >>> config = Config(model="gpt2-small", nvme_path=tempfile.mkdtemp(), memory_limit="2GiB", batch_size=8)
+    >>> plan = make_plan(config, probe=False, baseline=0)
+    >>> [row["tiers"] for row in plan["placements"] if row["tiers"]["params"].startswith("host:")]
+    [{'params': 'host:18,nvme', 'optimizer': 'nvme', 'gradients': 'nvme', 'activations': 'nvme'}]
 """
 
 from __future__ import annotations

@@ -27,8 +27,13 @@ def _cast(tree, dtype):
 def leaf_bytes(rules: ShardingRules, kind: str, path: str, x, layers: int) -> int:
     """Bytes one device holds of leaf ``x`` of ``kind`` at ``path``: ``layers`` slices along axis 0, or whole (1).
 
-    Example:
-        >>> leaf_bytes(ShardingRules(stage=3, data=8), "params", "blocks/fc/kernel", kernel, layers=12)
+    Example (12 layers of a (768, 3072) fp32 kernel, split over 8 devices at stage 3):
+        >>> kernel = jax.ShapeDtypeStruct((12, 768, 3072), jnp.float32)
+        >>> stage3, stage2 = ShardingRules(stage=3, data=8), ShardingRules(stage=2, data=8)
+        >>> leaf_bytes(stage3, "params", "blocks/fc/kernel", kernel, layers=12) == 12 * 768 * 3072 * 4 // 8
+        True
+        >>> leaf_bytes(stage2, "params", "blocks/fc/kernel", kernel, layers=12) >> 20   # whole: 108 MiB
+        108
     """
     shape = tuple(x.shape[1:]) if layers else tuple(x.shape)
     axes = {"data": rules.data, "model": rules.model}
@@ -44,8 +49,10 @@ def state_bytes(abstract, tx: optax.GradientTransformation, rules: ShardingRules
     as the engine's gradient tier holds them. Not `zinfjax.planning.scale.state_bytes`, the whole model's
     bytes from its `ModelConfig` alone, which counts gradients in the compute dtype as the ZeRO papers do.
 
-    Example:
-        >>> state_bytes(abstract, optax.adamw(1e-3), ShardingRules(stage=2, data=8))["grads"]
+    Example (stage 2 splits gradients and optimizer state over the 8 devices, not the parameters):
+        >>> abstract = {"blocks": {"w": jax.ShapeDtypeStruct((4, 64, 256), jnp.float32)}}   # 65,536 parameters
+        >>> state_bytes(abstract, optax.adamw(1e-3), ShardingRules(stage=2, data=8))
+        {'params': 262144, 'grads': 32768, 'opt': 65540}
     """
     f32 = _cast(abstract, jnp.float32)
     params = [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(f32)[0]]

@@ -11,7 +11,14 @@ Anything else on the way (a reduction, a transpose) raises `rows.Unsliceable`; t
 leaf whole.
 
 Example:
-    >>> w = block(eqns, env, kernel_var, axis=1, lo=256, n=256)    # columns 256..511 of a (768, 3072) kernel
+    >>> import jax
+    >>> init = lambda k: jax.random.normal(k, (96, 384)) * 0.02          # an MLP's input kernel, (D, 4 D)
+    >>> key = jax.random.key(0)
+    >>> closed, _ = jx.trace(init, key)
+    >>> jaxpr = closed.jaxpr
+    >>> w = block(jaxpr.eqns, {jaxpr.invars[0]: key}, jaxpr.outvars[0], axis=1, lo=128, n=128)   # columns 128..255
+    >>> w.shape, bool((w == init(key)[:, 128:256]).all())
+    ((96, 128), True)
 """
 
 from __future__ import annotations

@@ -9,10 +9,17 @@ the leaf must keep no optimizer state, and its gradient must count nowhere else 
 leaf, masked ones included, reads it: that leaf is not frozen, as its gradient is still needed). Nothing is
 evaluated, so a 1 GB leaf costs no more than a bias.
 
-Example:
-    >>> plan = UpdatePlan(optax.multi_transform({"t": optax.adam(1e-3), "f": optax.set_to_zero()}, labels), program)
-    >>> sorted(frozen_leaves(plan))          # doctest: +SKIP
-    [0, 1, 2]
+Example (adapters ``a`` trained beside weights ``w`` that ``set_to_zero`` freezes):
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from zinfjax.program import UpdatePlan, program_for
+    >>> def loss_fn(params, batch):               # three layers: a scan over their stacked weights
+    ...     layer = lambda h, p: (jnp.tanh(h @ p["w"] + h @ p["a"]), None)
+    ...     return jnp.mean(jax.lax.scan(layer, batch, params["blocks"])[0] ** 2)
+    >>> params = {"blocks": {"w": jnp.ones((3, 8, 8)), "a": jnp.zeros((3, 8, 8))}}
+    >>> program = program_for(loss_fn, params, jnp.ones((8, 8)))
+    >>> tx = optax.multi_transform({"t": optax.adam(1e-3), "f": optax.set_to_zero()}, {"blocks": {"w": "f", "a": "t"}})
+    >>> [program.leaves[k].path for k in sorted(frozen_leaves(UpdatePlan(tx, program)))]
+    ['blocks/w']
 """
 
 from __future__ import annotations

@@ -9,9 +9,25 @@ by leaf group. So the whole tree never exists in memory, and the values are bitw
 ``jax.jit(init_fn)(rng)``: the same operations on the same keys (tests/program/test_init.py).
 This is what DeepSpeed's ``zero.Init`` does for torch, without hooks.
 
-Example:
-    >>> source = InitSource(program, lambda rng: model.init(rng, tokens)["params"], jax.random.key(0))
-    >>> engine = Engine(program, source, tx, settings, mesh)    # filled layer by layer
+Example (for Flax, ``init_fn = lambda rng: model.init(rng, example)["params"]``):
+    >>> import jax.numpy as jnp, optax, tempfile
+    >>> from zinfjax import Config
+    >>> from zinfjax.engine import Engine
+    >>> from zinfjax.program import program_for
+    >>> from zinfjax.sharding import make_mesh
+    >>> def loss_fn(params, batch):               # three layers: a scan over their stacked weights
+    ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"])
+    ...     return jnp.mean(h ** 2)
+    >>> def init_fn(rng):                         # what nn.scan's init makes: a scan over the layers' keys
+    ...     return {"blocks": jax.lax.map(lambda k: jax.random.normal(k, (8, 8)) / 8, jax.random.split(rng, 3))}
+    >>> key, tx = jax.random.key(0), optax.adam(1e-3)
+    >>> program = program_for(loss_fn, jax.eval_shape(init_fn, key), jnp.ones((8, 8)))
+    >>> source = InitSource(program, init_fn, key)
+    >>> config = Config(params="nvme", optimizer="nvme", nvme_path=tempfile.mkdtemp())
+    >>> engine = Engine(program, source, tx, config.engine_settings(), make_mesh({"data": 1}))  # layer by layer
+    >>> bool((engine.params()["blocks"] == jax.jit(init_fn)(key)["blocks"]).all())   # init_fn's values, bitwise
+    True
+    >>> engine.close()
 """
 
 from __future__ import annotations

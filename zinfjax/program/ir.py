@@ -273,9 +273,10 @@ class Program:
 def store_slice(leaf, x, i: int):
     """Slice ``i`` of leaf ``x`` as a store holds it: a layer, a row chunk padded to its rows, or the whole leaf.
 
-    Example:
-        >>> store_slice(leaf, np.zeros((10, 4)), 2).shape    # chunks of 4 rows, padded to 12
-        (4, 4)
+    Example (a table of 10 rows in 3 chunks of 4, padded to 12: the last chunk holds 2 rows and 2 of zeros):
+        >>> leaf = Leaf(0, "embed/table", (10, 4), np.dtype("float32"), "s:embed", Stream(3, rows=4, pad=2))
+        >>> store_slice(leaf, np.ones((10, 4)), 2).sum(axis=1).tolist()
+        [4.0, 4.0, 0.0, 0.0]
     """
     stream = leaf.stream
     if stream is None:

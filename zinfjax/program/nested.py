@@ -15,10 +15,19 @@ So one operation holds one tile (or the rest of one layer), never a whole layer.
 used by its tile scan alone, and a nested scan's leaves by no other scan; anything else is refused by
 name.
 
-Example:
-    >>> program = split(loss_fn, params_like, batch_like)     # blocks with a tiled MLP inside
+Example (two layers, each an MLP in 8 tiles of its hidden units, scanned, beside a matrix left whole):
+    >>> import jax, jax.numpy as jnp
+    >>> from zinfjax.program import program_for
+    >>> def loss_fn(params, x):
+    ...     def layer(h, p):
+    ...         tile = lambda out, t: (out + jnp.tanh(h @ t["w_in"]) @ t["w_out"], None)
+    ...         mlp, _ = jax.lax.scan(tile, jnp.zeros_like(h), p["tiles"])
+    ...         return jnp.tanh(h @ p["w"]) + mlp, None
+    ...     return jnp.mean(jax.lax.scan(layer, x, params["blocks"])[0] ** 2)
+    >>> tiles = {"w_in": jnp.ones((2, 8, 16, 4)), "w_out": jnp.ones((2, 8, 4, 16))}   # (layers, tiles, ...)
+    >>> program = program_for(loss_fn, {"blocks": {"w": jnp.ones((2, 16, 16)), "tiles": tiles}}, jnp.ones((4, 16)))
     >>> sorted((g.name, g.length) for g in program.streamed_groups())
-    [('s:blocks.layer', 2), ('s:blocks.tiles1', 8)]
+    [('s:blocks.layer', 2), ('s:blocks.tiles1', 16)]
 """
 
 from __future__ import annotations

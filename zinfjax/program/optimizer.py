@@ -13,10 +13,19 @@ with it; every other state leaf (counts, a factored second moment that spans the
 is *global*: one small value kept in memory.
 
 Example:
-    >>> plan = UpdatePlan(optax.lamb(1e-3), program)
-    >>> plan.sweeps
-    2
-    >>> out = plan.unit(group, sweep=1)(params, grads, state, globals_, totals, start)
+    >>> from zinfjax.program import program_for
+    >>> def loss_fn(params, batch):               # three layers: a scan over their stacked weights
+    ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"])
+    ...     return jnp.mean(h ** 2)
+    >>> program = program_for(loss_fn, {"blocks": jnp.ones((3, 8, 8))}, jnp.ones((8, 8)))
+    >>> UpdatePlan(optax.adam(1e-3), program).sweeps, UpdatePlan(optax.lamb(1e-3), program).sweeps
+    (1, 3)
+    >>> plan = UpdatePlan(optax.adam(1e-3), program)     # lamb: a sweep more per norm of its trust ratio
+    >>> layer = [jnp.ones((1, 8, 8))]                    # layer 0, its streamed axis kept
+    >>> state = plan.init_unit("s:blocks", 1)(layer, 0)
+    >>> partials, new, state = plan.unit("s:blocks", 0, 1)(layer, layer, state, plan.init_globals(), [], 0)
+    >>> round(float(new[0][0, 0, 0]), 6)                 # one Adam step of 1e-3 down
+    0.999
 """
 
 from __future__ import annotations
@@ -208,8 +217,16 @@ class UpdatePlan:
         state alone, with the global state: then a part of the group's leaves can be updated without the rest.
 
         Example:
+            >>> from zinfjax.program import program_for
+            >>> def loss_fn(params, batch):               # three layers: a scan over their stacked weights
+            ...     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch, params["blocks"])
+            ...     return jnp.mean(h ** 2)
+            >>> program = program_for(loss_fn, {"blocks": jnp.ones((3, 8, 8))}, jnp.ones((8, 8)))
             >>> UpdatePlan(optax.adamw(1e-3), program).separable("s:blocks")
             True
+            >>> clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))   # one norm over every leaf
+            >>> UpdatePlan(clipped, program).separable("s:blocks")
+            False
         """
         if self.sweeps != 1 or self.crosses_of(group, 0):
             return False

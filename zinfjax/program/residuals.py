@@ -131,9 +131,13 @@ def residual_bytes(program, micro: int) -> int:
 
     Example:
         >>> from zinfjax.program import program_for
-        >>> loss = lambda p, b: jnp.sum(jnp.tanh(b @ p["w"]))   # one product of 4 x 8 float32, one input
-        >>> residual_bytes(program_for(loss, {"w": jnp.ones((8, 8))}, jnp.ones((4, 8))), micro=2)
-        512
+        >>> def loss(p, b):
+        ...     return jnp.sum(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), b, p["w"])[0])
+        >>> residual_bytes(program_for(loss, {"w": jnp.ones((3, 8, 8))}, jnp.ones((4, 8))), micro=2)
+        1792
+
+        Per micro-batch: each of the 3 layers keeps its product and its input (4 x 8 float32, 128 bytes each), and
+        the sum after the scan its input: 7 x 128 bytes.
     """
     total = 0
     for stage in program.stages:

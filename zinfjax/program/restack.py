@@ -6,8 +6,11 @@ block; zinfjax streams only blocks stacked on a leading layer axis. After rewrit
 layout, so nothing trained is lost.
 
 Example:
-    >>> stack_layers({"embed": e, "layers_0": {"w": w0}, "layers_1": {"w": w1}})
-    {'embed': e, 'layers': {'w': Array(shape=(2, ...))}}
+    >>> import numpy as np
+    >>> trained = {"embed": np.zeros(4), "layers_0": {"w": np.zeros((2, 2))}, "layers_1": {"w": np.ones((2, 2))}}
+    >>> stacked = stack_layers(trained)
+    >>> sorted(stacked), stacked["layers"]["w"].shape, stacked["layers"]["w"][1].tolist()
+    (['embed', 'layers'], (2, 2, 2), [[1.0, 1.0], [1.0, 1.0]])
 """
 
 from __future__ import annotations

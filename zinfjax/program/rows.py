@@ -10,8 +10,12 @@ whole table never exists. Anything else on the way to the table (a reshape, a ma
 `Unsliceable`, and the caller computes the table whole.
 
 Example:
-    >>> closed, _ = trace(lambda k: jax.random.normal(k, (1000, 8)) * 0.02, key_struct)
+    >>> init = lambda k: jax.random.normal(k, (1000, 8)) * 0.02
+    >>> key = jax.random.key(0)
+    >>> closed, _ = jx.trace(init, key)
     >>> chunk = row_chunk(closed, closed.jaxpr.outvars[0], key, lo=200, n=100)   # rows 200..299
+    >>> bool((chunk == init(key)[200:300]).all())
+    True
 """
 
 from __future__ import annotations

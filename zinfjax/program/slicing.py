@@ -18,10 +18,16 @@ gradient exists.
 Anything that mixes slices in another way (a sort or cumulative sum over the layer axis, a
 reshape that merges it) is refused by name.
 
-Example:
-    >>> tags = analyze(jaxpr.eqns, {v: Info(Tag("s:blocks", 0), 0) for v in stacked_inputs})
-    >>> max(i.phase for i in tags.values())      # 0 for adamw, 1 for lamb
+Example (an update of one leaf of 3 layers, its layer axis streamed):
+    >>> import jax.numpy as jnp
+    >>> def sweeps(update):
+    ...     jaxpr = jx.trace(update, jnp.ones((3, 8)))[0].jaxpr
+    ...     tags = analyze(jaxpr.eqns, {v: Info(Tag("s:blocks", 0), 0) for v in jaxpr.invars})
+    ...     return max(i.phase for i in tags.values()) + 1
+    >>> sweeps(lambda g: -1e-3 * jnp.sign(g))               # elementwise, as lion: one sweep
     1
+    >>> sweeps(lambda g: g / jnp.sqrt(jnp.sum(g * g)))      # a norm over every layer first, as lamb's: two
+    2
 """
 
 from __future__ import annotations

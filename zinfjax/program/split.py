@@ -20,9 +20,16 @@ Each eqn between scans is placed as late as it can go: just before its first use
 residuals live as briefly as possible.
 
 Example:
-    >>> program = split(loss_fn, params_like, batch_like)
-    >>> [s.kind for s in program.stages]
-    ['whole', 'scan', 'whole', 'scan', 'whole', 'scan', 'whole']
+    >>> import jax.numpy as jnp
+    >>> def loss_fn(params, x):                   # an encoder and a decoder: two scans over stacked layers
+    ...     layer = lambda h, w: (jnp.tanh(h @ w), None)
+    ...     h = jax.lax.scan(layer, x @ params["embed"], params["encoder"])[0]
+    ...     h = jax.lax.scan(layer, h * 2, params["decoder"])[0]
+    ...     return jnp.mean(h ** 2)
+    >>> params = {"embed": jnp.ones((4, 8)), "encoder": jnp.ones((3, 8, 8)), "decoder": jnp.ones((2, 8, 8))}
+    >>> program = split(loss_fn, params, jnp.ones((2, 4)))
+    >>> [s.kind for s in program.stages]             # embed; encoder; h * 2; decoder; the loss
+    ['whole', 'scan', 'whole', 'scan', 'whole']
 """
 
 from __future__ import annotations
@@ -114,6 +121,11 @@ def program_for(loss_fn, params_like, batch_like, with_rng: bool = False, nest_t
     """`split`, cached by the loss function and the abstract inputs, so engines of one model share compiles.
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> def loss(params, x):                        # three layers: a scan over their stacked weights
+        ...     return jnp.sum(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params["w"])[0])
+        >>> params_like = {"w": jax.ShapeDtypeStruct((3, 8, 8), jnp.float32)}
+        >>> batch_like = jax.ShapeDtypeStruct((4, 8), jnp.float32)
         >>> program_for(loss, params_like, batch_like) is program_for(loss, params_like, batch_like)
         True
     """

@@ -16,9 +16,20 @@ stage's residual variables. Backward functions recompute their forward inside th
 (activation checkpointing at stage and layer boundaries); the ``_saving`` forwards and ``_saved``
 backwards instead keep the VJP's residuals from the forward (`zinfjax.program.residuals`).
 
-Example:
-    >>> fns = StageFunctions(program, placement)
-    >>> outs = fns.whole_fwd(stage)(params, ins)
+Example (the forward of the first stage, the embedding, for one micro-batch):
+    >>> from zinfjax.engine.placement import Placement
+    >>> from zinfjax.program import program_for
+    >>> from zinfjax.sharding import ShardingRules, make_mesh
+    >>> def loss_fn(params, x):                   # an embedding, then 3 layers: a scan over stacked weights
+    ...     layer = lambda h, w: (jnp.tanh(h @ w), None)
+    ...     return jnp.mean(jax.lax.scan(layer, x @ params["embed"], params["blocks"])[0] ** 2)
+    >>> params = {"blocks": jnp.ones((3, 8, 8)), "embed": jnp.ones((4, 8))}    # leaves 0 and 1
+    >>> program, mesh = program_for(loss_fn, params, jnp.ones((2, 4))), make_mesh({"data": 1})
+    >>> fns = StageFunctions(program, Placement(program, ShardingRules.for_mesh(mesh, 0), mesh))
+    >>> stage = program.stages[0]
+    >>> outs = fns.whole_fwd(stage.position)({1: params["embed"]}, [jnp.ones((1, 2, 4))])   # ins: (A, ...)
+    >>> outs[0].shape, float(outs[0][0, 0, 0])     # x @ embed, for the 1 micro-batch
+    ((1, 2, 8), 4.0)
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@
 
 Any launcher may set them (SLURM, a Kubernetes job; docs/sharding.md, "Other launchers").
 
-Example:
-    >>> initialize_from_env()       # before any JAX computation; False when the variables are unset
+Example (a single process: the variables are unset):
+    >>> initialize_from_env()       # before any JAX computation
     False
     >>> process_nvme_path("/mnt/nvme/run1")
     '/mnt/nvme/run1'
@@ -57,10 +57,13 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
     `jax.distributed.initialize`. Without ``ZINFJAX_NUM_PROCESSES`` it does nothing; a second
     call is a no-op.
 
-    Example:
-        >>> # ZINFJAX_COORDINATOR=127.0.0.1:8476 ZINFJAX_NUM_PROCESSES=2 ZINFJAX_PROCESS_ID=1 python train.py
-        >>> initialize_from_env()
-        True
+    Example (``ZINFJAX_COORDINATOR=127.0.0.1:8476 ZINFJAX_NUM_PROCESSES=2 ZINFJAX_PROCESS_ID=1 python train.py``
+    joins a run of two and returns True; `zinfjax.runtime.launch` sets them):
+        >>> initialize_from_env({})                          # none set: a single process
+        False
+        >>> initialize_from_env({"ZINFJAX_NUM_PROCESSES": "two"})
+        Traceback (most recent call last):
+        zinfjax.runtime.distributed.DistributedError: ZINFJAX_NUM_PROCESSES='two' must be an integer >= 1
     """
     env = with_torchrun_names(os.environ if environ is None else environ)
     if NUM_PROCESSES not in env:
@@ -175,7 +178,7 @@ def exit_now(code: int) -> None:
 
     The way out of a failed multi-process run, whose peers may be blocked in a collective.
 
-    Example:
+    Example (it ends the interpreter that runs it, so it is not run here):
         >>> exit_now(2)    # doctest: +SKIP
     """
     if code:
@@ -214,9 +217,9 @@ def is_main_process() -> bool:
 def process_nvme_path(nvme_path: str | None) -> str | None:
     """This process's own NVMe directory: ``nvme_path/process_<i>`` when several processes run.
 
-    Example:
-        >>> process_nvme_path("/mnt/nvme/run1")    # in process 1 of 2
-        '/mnt/nvme/run1/process_1'
+    Example (a single process keeps it; process 1 of 2 gets ``/mnt/nvme/run1/process_1``):
+        >>> process_nvme_path("/mnt/nvme/run1")
+        '/mnt/nvme/run1'
     """
     if nvme_path is None or jax.process_count() == 1:
         return nvme_path

@@ -6,8 +6,11 @@ output is streamed with a ``[rank i]`` prefix. When any copy fails (a non-zero e
 by a signal) the others are stopped at once, so a run never hangs on a dead peer, and the
 launch reports which rank failed and how. Several hosts: docs/engine.md, "Several processes".
 
-Example:
-    >>> launch(["zinfjax", "train", "run.yaml"], num_processes=2, devices_per_process=2)
+Example (``zinfjax launch -n 2 -- zinfjax train run.yaml`` on the command line; here, a command that says what
+it was given):
+    >>> said = "import os; rank = os.environ['ZINFJAX_PROCESS_ID']; rank == '1' and print(rank, 'of 2')"
+    >>> launch([sys.executable, "-c", said], num_processes=2)
+    [rank 1] 1 of 2
     0
 """
 
@@ -115,9 +118,11 @@ def launch(command: Sequence[str], num_processes: int, port: int | None = None,
     Raises:
         LaunchError: a process failed; the others have been stopped.
 
-    Example:
-        >>> launch([sys.executable, "-c", "print('hi')"], num_processes=2)
-        0
+    Example (a process that fails):
+        >>> fails = "import os; exit(int(os.environ['ZINFJAX_PROCESS_ID']) * 3)"     # process 1: exit code 3
+        >>> launch([sys.executable, "-c", fails], num_processes=2)
+        Traceback (most recent call last):
+        zinfjax.runtime.launch.LaunchError: process 1 of 2 failed with exit code 3; stopped the others (its output ...
     """
     if num_processes < 1:
         raise UserError(f"-n {num_processes}: launch at least one process")
@@ -214,7 +219,11 @@ _emit_lock = threading.Lock()
 
 def _emit(data: bytes) -> None:
     with _emit_lock:
-        sys.stdout.buffer.write(data)
+        out = getattr(sys.stdout, "buffer", None)  # a text stream without one (a notebook's, doctest's): decoded
+        if out is not None:
+            out.write(data)
+        else:
+            sys.stdout.write(data.decode(errors="replace"))
         sys.stdout.flush()
 
 

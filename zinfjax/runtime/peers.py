@@ -20,9 +20,22 @@ Not covered: a killed process 0. jaxlib's client then aborts the others at once,
 message and a stack, and its hook for that moment (``missed_heartbeat_callback``) fails with
 ``std::bad_cast`` in jaxlib 0.10, so there is no way in from here (docs/sharding.md).
 
-Example:
-    >>> dog = Watchdog(client, rank=0, count=2, timeout=60.0)    # doctest: +SKIP
-    >>> dog.start()                                                # doctest: +SKIP
+Example (``Watchdog(client, rank, count, timeout).start()`` beats and judges in two threads; here a stand-in for
+the coordination service's client, and a clock moved by hand, show one heartbeat round at a time):
+    >>> class Service:                              # what the watchdog uses of jax's DistributedRuntimeClient
+    ...     kv = {}
+    ...     def key_value_set(self, key, value, overwrite): self.kv[key] = value
+    ...     def key_value_dir_get(self, prefix): return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+    >>> service, now = Service(), [0.0]
+    >>> dogs = [Watchdog(service, rank=r, count=2, timeout=60.0, clock=lambda: now[0]) for r in (0, 1)]
+    >>> for t in (0.0, 30.0):                       # both beat at 0 s and 30 s
+    ...     now[0] = t; dogs[1].round(); dogs[0].round()
+    >>> for t in (60.0, 100.0, 130.0):              # then process 1 is silent
+    ...     now[0] = t; dogs[0].round()
+    >>> dogs[0].missing(60.0)
+    (1, 100.0)
+    >>> print(dogs[0].line(1, 100.0))
+    zinfjax: error: process 1 of 2 stopped responding (no heartbeat for 100 s); stopping process 0 (the limit ...)
 """
 
 from __future__ import annotations

@@ -4,10 +4,14 @@
 each step's own peak (``peak_rss_bytes``), and the peak of initialisation before the first step.
 
 Example:
+    >>> import mmap
     >>> reset_peak()
-    >>> ...                         # one training step
-    >>> peak_bytes()                # the most this process held during that step
-    812345344
+    True
+    >>> before = current_bytes()
+    >>> with mmap.mmap(-1, 64 << 20) as step:       # one training step, which holds 64 MiB a while
+    ...     _ = step.write(bytes(64 << 20))
+    >>> peak_bytes() - before > 48 << 20            # the most this process held during that step: about 64 MiB more
+    True
 """
 
 from __future__ import annotations

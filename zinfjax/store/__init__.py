@@ -1,9 +1,15 @@
 """Tiered storage of stacked layers: device memory, pinned host memory, or NVMe.
 
 Example:
+    >>> import jax, jax.numpy as jnp, tempfile
     >>> from zinfjax.store import open_store, BufferPool
-    >>> store = open_store("nvme", like, path="/mnt/nvme/run1", pool=BufferPool(1 << 30))  # doctest: +SKIP
-    >>> layer = store.read(3).result()                                                      # doctest: +SKIP
+    >>> like = {"w": jax.ShapeDtypeStruct((4, 64, 64), jnp.float32)}          # 4 layers of (64, 64)
+    >>> store = open_store("nvme", like, path=tempfile.mkdtemp(), pool=BufferPool(1 << 20))
+    >>> store.write(3, {"w": jnp.full((64, 64), 3.0)}).result()
+    >>> layer = store.read(3).result()
+    >>> float(layer["w"][0, 0]), store.stats.bytes_read
+    (3.0, 16384)
+    >>> store.close()
 
 Reading ahead of compute is the engine's (`zinfjax.engine.readahead.ReadAhead`): a store's reads
 are futures, and the engine keeps the next ones in flight.

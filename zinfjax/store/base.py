@@ -124,8 +124,13 @@ class LayerStore:
         memory whose layer ``i`` no checkpoint snapshot holds (`zinfjax.store.memory.MemoryStore`).
 
         Example:
-            >>> store.hands_over(3)  # doctest: +SKIP
-            True
+            >>> import jax, jax.numpy as jnp, tempfile
+            >>> from zinfjax.store import open_store
+            >>> like = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32), "b": jax.ShapeDtypeStruct((4, 2), jnp.float32)}
+            >>> host, nvme = open_store("host", like), open_store("nvme", like, path=tempfile.mkdtemp())
+            >>> host.hands_over(3), nvme.hands_over(3)        # the arrays it holds; a fresh read from disk
+            (True, False)
+            >>> nvme.close()
         """
         return False
 
@@ -144,8 +149,15 @@ class LayerStore:
             keys: the dict keys of the leaves written (a part of the layer); None writes them all.
 
         Example:
-            >>> store.write(3, layer).result()  # doctest: +SKIP
-            >>> store.write(3, {"w": w}, keys=["w"]).result()  # doctest: +SKIP
+            >>> import jax, jax.numpy as jnp, tempfile
+            >>> from zinfjax.store import open_store
+            >>> like = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32), "b": jax.ShapeDtypeStruct((4, 2), jnp.float32)}
+            >>> store = open_store("nvme", like, path=tempfile.mkdtemp())
+            >>> store.write(3, {"w": jnp.ones(8), "b": jnp.zeros(2)}).result()
+            >>> store.write(3, {"w": jnp.full(8, 2.0)}, keys=["w"]).result()       # a part of the layer
+            >>> store.read(3).result()["w"][0], store.read(3).result()["b"][0]
+            (Array(2., dtype=float32), Array(0., dtype=float32))
+            >>> store.close()
         """
         self._check_open()
         i = self._check_layer(i)
@@ -167,8 +179,15 @@ class LayerStore:
         host reads its state so): the host tier hands over what it holds, NVMe stages into host memory.
 
         Example:
-            >>> layer = store.read(3).result()  # doctest: +SKIP
-            >>> store.read(3, keys=["w"]).result()["w"]  # doctest: +SKIP
+            >>> import jax, jax.numpy as jnp, tempfile
+            >>> from zinfjax.store import open_store
+            >>> like = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32), "b": jax.ShapeDtypeStruct((4, 2), jnp.float32)}
+            >>> store = open_store("nvme", like, path=tempfile.mkdtemp())
+            >>> store.write(3, {"w": jnp.ones(8), "b": jnp.zeros(2)}).result()
+            >>> layer = store.read(3).result()
+            >>> sorted(layer), sorted(store.read(3, keys=["w"]).result())               # all, or a part
+            (['b', 'w'], ['w'])
+            >>> store.close()
         """
         self._check_open()
         i = self._check_layer(i)
@@ -185,7 +204,13 @@ class LayerStore:
         """Writes every layer of a stacked tree and waits for all of them.
 
         Example:
-            >>> store.write_all(params["blocks"])  # doctest: +SKIP
+            >>> import jax, jax.numpy as jnp, tempfile
+            >>> from zinfjax.store import open_store
+            >>> like = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32), "b": jax.ShapeDtypeStruct((4, 2), jnp.float32)}
+            >>> store = open_store("host", like)
+            >>> store.write_all({"w": jnp.ones((4, 8)), "b": jnp.zeros((4, 2))})       # every layer of a stacked tree
+            >>> float(store.read(3).result()["w"].sum())
+            8.0
         """
         leaves = self._treedef.flatten_up_to(stacked_tree)
         futures = [

@@ -51,11 +51,14 @@ def open_store(
         A `LayerStore`.
 
     Example:
-        >>> like = {"w": jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)}
-        >>> store = open_store("nvme", like, path="/tmp/run1")   # doctest: +SKIP
-        >>> store.write(0, {"w": jnp.ones((8, 8))}).result()      # doctest: +SKIP
-        >>> store.read(0).result()["w"].shape                     # doctest: +SKIP
-        (8, 8)
+        >>> import jax.numpy as jnp, tempfile
+        >>> like = {"w": jax.ShapeDtypeStruct((4, 8, 8), jnp.float32)}       # 4 layers of (8, 8)
+        >>> store = open_store("nvme", like, path=tempfile.mkdtemp())
+        >>> store.write(0, {"w": jnp.ones((8, 8))}).result()
+        >>> layer = store.read(0).result()["w"]
+        >>> layer.shape, float(layer.sum())
+        ((8, 8), 64.0)
+        >>> store.close()
     """
     layouts = _layouts(like, mesh_sharding)
     if len({lay.num_layers for lay in layouts}) > 1:
@@ -99,6 +102,7 @@ def staging_bytes(like, mesh_sharding=None) -> int:
     padded to the direct-I/O block.
 
     Example:
+        >>> import jax.numpy as jnp
         >>> staging_bytes({"w": jax.ShapeDtypeStruct((4, 1000), jnp.float32)})
         4096
     """

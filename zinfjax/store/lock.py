@@ -24,8 +24,15 @@ class StoreLock:
     """An exclusive, process-level lock on a store directory.
 
     Example:
-        >>> lock = StoreLock("/tmp/run1/params")  # doctest: +SKIP
-        >>> lock.acquire(); lock.release()         # doctest: +SKIP
+        >>> import tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> lock = StoreLock(directory)
+        >>> lock.acquire()
+        >>> StoreLock(directory).acquire()         # held: by this process here, by another one in a real run
+        Traceback (most recent call last):
+        zinfjax.store.errors.StoreLockedError: the store ... is locked by process ... (lock file .../.lock); ...
+        >>> lock.release()
+        >>> again = StoreLock(directory); again.acquire(); again.release()   # free again
     """
 
     def __init__(self, directory: str):

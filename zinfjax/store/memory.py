@@ -88,7 +88,15 @@ class MemoryStore(LayerStore):
         """Every layer's arrays as they are now. They are immutable, so a later write does not change them.
 
         Example:
+            >>> import jax, jax.numpy as jnp
+            >>> from zinfjax.store import open_store
+            >>> store = open_store("host", {"w": jax.ShapeDtypeStruct((2, 4), jnp.float32)})
+            >>> store.write_all({"w": jnp.zeros((2, 4))})
             >>> layers = store.snapshot()   # a checkpoint writes these out while training goes on
+            >>> store.hands_over(0)         # a read of layer 0 hands out copies now, not the arrays saved
+            False
+            >>> float(layers[0][0].sum())
+            0.0
         """
         self.flush()
         self.release_saves()

@@ -5,9 +5,15 @@ that holds it, as that piece's layer ``i - first``. Each piece keeps the orderin
 lives in one piece), so the split store keeps the tiers' one invariant (`zinfjax.store.base`) unchanged.
 
 Example:
-    >>> store = open_store("host:2,nvme", like, path="/tmp/run1")   # doctest: +SKIP
-    >>> store.tier_at(0), store.tier_at(3)                           # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp, tempfile
+    >>> from zinfjax.store import open_store
+    >>> like = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32)}
+    >>> store = open_store("host:2,nvme", like, path=tempfile.mkdtemp())    # layers 0-1 in memory, 2-3 on disk
+    >>> store.tier_at(0), store.tier_at(3)
     ('host', 'nvme')
+    >>> store.write(3, {"w": jnp.ones(8)}).result(); float(store.read(3).result()["w"].sum())
+    8.0
+    >>> store.close()
 """
 
 from __future__ import annotations
@@ -93,7 +99,14 @@ def pieces_of(store) -> list[tuple[int, LayerStore]]:
     """``(first layer, store)`` of the stores of one tier that hold ``store``'s layers: its pieces, or itself.
 
     Example:
-        >>> [(first, s.tier) for first, s in pieces_of(store)]   # doctest: +SKIP
+        >>> import jax, jax.numpy as jnp, tempfile
+        >>> from zinfjax.store import open_store
+        >>> like = {"w": jax.ShapeDtypeStruct((36, 8), jnp.float32)}
+        >>> store = open_store("host:12,nvme", like, path=tempfile.mkdtemp())
+        >>> [(first, s.tier) for first, s in pieces_of(store)]
         [(0, 'host'), (12, 'nvme')]
+        >>> [(first, s.tier) for first, s in pieces_of(store.pieces[0][1])]     # a store of one tier: itself
+        [(0, 'host')]
+        >>> store.close()
     """
     return list(getattr(store, "pieces", None) or [(0, store)])

@@ -11,8 +11,14 @@ LoRA on zinfjax's own models uses the same transformation, with `zinfjax.models.
 selection (`zinfjax.trainers.optimizers.make_optimizer`).
 
 Example:
+    >>> import jax.numpy as jnp
+    >>> params = {"q": jnp.ones((4, 4)), "q_lora": {"a": jnp.ones((4, 2)), "b": jnp.zeros((2, 4))}}
     >>> tx = freeze(optax.adam(1e-3), lambda path: "lora" in jax.tree_util.keystr(path))
-    >>> state = carried_state(tx, params, optax.adam(1e-3).init(lora_params))
+    >>> state = carried_state(tx, params, optax.adam(1e-3).init({"q_lora": params["q_lora"]}))
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> float(jnp.abs(updates["q"]).max()), round(float(updates["q_lora"]["a"][0, 0]), 5)   # q frozen, the adapter not
+    (0.0, -0.001)
 """
 
 from __future__ import annotations

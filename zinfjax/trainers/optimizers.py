@@ -2,7 +2,7 @@
 
 Example:
     >>> tx = make_optimizer(Config(lr=1e-3, grad_clip=1.0, warmup_steps=100, lr_decay="cosine", steps=1000))
-    >>> float(make_schedule(Config(lr=1e-3, warmup_steps=10))(5))
+    >>> round(float(make_schedule(Config(lr=1e-3, warmup_steps=10))(5)), 8)     # half way through the warmup
     0.0005
     >>> make_schedule(Config(lr=1e-3))
     0.001

@@ -18,8 +18,11 @@ class Trainer(Protocol):
     a fresh start).
 
     Example:
-        >>> isinstance(build_trainer(Config(model="gpt2-tiny"))[1], Trainer)
-        True
+        >>> from zinfjax import Config
+        >>> from zinfjax.trainers.build import build_trainer
+        >>> model, trainer = build_trainer(Config(model="gpt2-tiny", seq_len=16, mesh="data:1"))   # in memory
+        >>> isinstance(trainer, Trainer), trainer.engine is None
+        (True, True)
     """
 
     engine: Engine | None

@@ -5,8 +5,15 @@ it stays simple and obviously right: params and optimizer state replicated, the 
 the ``data`` axis, gradients averaged over micro-batches.
 
 Example:
+    >>> from zinfjax.sharding import make_mesh
+    >>> def loss_fn(params, batch):                 # any loss of params and a batch, batch axis first
+    ...     return jnp.mean((batch @ params["w"]) ** 2)
+    >>> tx, mesh = optax.sgd(0.1), make_mesh({"data": 1})
+    >>> params, opt_state = init_state(lambda rng: {"w": jnp.ones((4, 2))}, tx, mesh, seed=0)
     >>> step = make_step(loss_fn, tx, mesh, grad_accum=2)
-    >>> params, opt_state, loss = step(params, opt_state, batch)
+    >>> params, opt_state, loss = step(params, opt_state, jnp.ones((8, 4)) / 4)
+    >>> float(loss), round(float(params["w"][0, 0]), 6)   # each weight's gradient is 1/4: down by 0.1 x 1/4
+    (1.0, 0.975)
 """
 
 from __future__ import annotations

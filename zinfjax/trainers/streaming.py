@@ -76,7 +76,13 @@ def lm_engine(model, config: Config, mesh, source=None, tx=None, settings: Engin
     `Config.engine_settings`), for a caller that asks the engine about other tiers or budgets than the run's.
 
     Example:
-        >>> engine = lm_engine(models.build("gpt2-tiny"), Config(params="nvme", nvme_path="/nv"), mesh)
+        >>> import tempfile
+        >>> from zinfjax.sharding import make_mesh
+        >>> config = Config(model="gpt2-tiny", seq_len=16, params="nvme", nvme_path=tempfile.mkdtemp(), mesh="data:1")
+        >>> engine = lm_engine(models.build("gpt2-tiny"), config, make_mesh(config.mesh_axes()))
+        >>> engine.num_layers, sorted(engine.program.groups)[:2]
+        (4, ['s:blocks', 's:embed.wte.embedding'])
+        >>> engine.close()
     """
     tx = tx or make_optimizer(config)
     settings = settings or config.engine_settings()

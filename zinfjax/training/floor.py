@@ -18,10 +18,14 @@ written), and every step's log entry gains:
   alone: it holds the I/O path's CPU work and the wait for the last writes too, so a ratio over it would read
   about 1.0 whatever the step did.
 
-Example:
-    >>> floor = Floor.for_run("/mnt/nvme/run", plan=None)
+Example (``Floor.for_run(nvme_path, plan)`` probes the disk under the run's ``nvme_path``; here a disk of 1 GB/s
+each way, and compute alone unknown):
+    >>> floor = Floor({"read_GBps": 1.0, "write_GBps": 1.0})
     >>> floor.fields({"step_s": 2.0, "compute_s": 1.2, "read_bytes_nvme": 10**9, "write_bytes_nvme": 10**9})
-    {'io_floor_s': 1.0, 'io_ratio': 2.0}    # with a disk of 1 GB/s each way, compute alone unknown
+    {'io_floor_s': 1.0, 'io_ratio': 2.0}
+    >>> timed = Floor({"read_GBps": 1.0, "write_GBps": 1.0}, compute_alone_s=1.6)      # compute alone known
+    >>> timed.fields({"step_s": 2.0, "read_bytes_nvme": 10**9})
+    {'io_floor_s': 1.0, 'floor_ratio': 1.25}
 """
 
 from __future__ import annotations

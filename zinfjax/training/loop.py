@@ -5,7 +5,7 @@ rows of every batch, streams its state through its own ``nvme_path/process_<i>``
 alone writes the log and shows progress.
 
 Example:
-    >>> log = run(Config(model="gpt2-tiny", steps=50, log="runs/demo.json"))
+    >>> log = run(Config(model="gpt2-tiny", steps=10, seq_len=16, lr=3e-3, mesh="data:1"), progress=False)
     >>> log["steps"][-1]["loss"] < log["steps"][0]["loss"]
     True
 """

@@ -13,7 +13,11 @@ Example:
     True
     >>> watch.after_step(2, float("nan")), watch.exhausted
     (False, False)
-    >>> raise watch.error(2, good=None)       # when the run stops, exhausted or at its last step
+    >>> watch.after_step(3, float("inf")), watch.after_step(4, float("nan")), watch.exhausted
+    (False, False, True)
+    >>> raise watch.error(4, good=1)          # when the run stops, exhausted or at its last step
+    Traceback (most recent call last):
+    zinfjax.training.nonfinite.NonFiniteLossError: ...
 """
 
 from __future__ import annotations

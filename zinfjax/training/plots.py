@@ -7,7 +7,11 @@ def loss_curve(log: dict, path: str) -> str:
     """Writes a PNG of loss against step from a run log and returns its path.
 
     Example:
-        >>> loss_curve({"config": {...}, "steps": [{"step": 1, "loss": 5.5}, ...]}, "loss.png")
+        >>> import os, tempfile
+        >>> log = {"config": {"model": "gpt2-tiny"}, "steps": [{"step": 1, "loss": 5.5}, {"step": 2, "loss": 5.1}]}
+        >>> png = loss_curve(log, f"{tempfile.mkdtemp()}/loss.png")
+        >>> os.path.basename(png), os.path.getsize(png) > 0
+        ('loss.png', True)
     """
     import matplotlib  # here, not at import: `import zinfjax` stays free of matplotlib
 

@@ -1,7 +1,12 @@
 """Checks that a run makes before it trains, so that a mistake costs seconds, not the whole run.
 
 Example:
-    >>> check_writable_file("runs/demo.json", "log")      # a directory, or read-only: ConfigError now
+    >>> import tempfile
+    >>> runs = tempfile.mkdtemp()
+    >>> check_writable_file(f"{runs}/demo.json", "log")   # can be written: nothing to say
+    >>> check_writable_file(runs, "log")                  # a directory, or read-only: ConfigError now, not at the end
+    Traceback (most recent call last):
+    zinfjax.errors.ConfigError: log=... is a directory; ...
 """
 
 from __future__ import annotations

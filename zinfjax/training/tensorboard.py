@@ -7,9 +7,13 @@ step: ``train/loss``, ``train/lr``, ``train/tokens_per_s``; ``time/step_s``, ``t
 ``bytes/write_<tier>`` (the bytes the step moved from and to each tier), where the step has them.
 
 Example:
-    >>> board = Board("runs/tb")
+    >>> import tempfile
+    >>> tb = tempfile.mkdtemp()
+    >>> board = Board(tb)
     >>> board.write({"step": 1, "loss": 2.3, "lr": 3e-4, "tokens_per_s": 900.0})
     >>> board.close()
+    >>> [name.startswith("events.out.tfevents.") for name in os.listdir(tb)]
+    [True]
 """
 
 from __future__ import annotations
